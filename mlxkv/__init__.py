@@ -1,0 +1,32 @@
+"""mlxkv: the state and persistence layer for MLX key/value caches."""
+
+from .errors import (
+    CacheConfigError,
+    CorruptSnapshotError,
+    EmptyCacheError,
+    FormatVersionError,
+    GeometryMismatchError,
+    IdentityMismatchError,
+    MLXKVError,
+    SchemeError,
+    SnapshotError,
+    UnknownKindError,
+)
+from .inference.arrays import ArraysCache
+from .inference.plain import KVCache
+from .inference.quantized import QuantizedKVCache
+from .inference.rotating import RotatingKVCache, RotatingQuantizedKVCache
+from .inference.schemes import make_cache
+from .inference.transition import Bf16FirstCache
+from .state.kinds import (
+    is_eviction_cache,
+    is_plain_kv_cache,
+    is_quantized_kv_cache,
+    is_recurrent_cache,
+    is_rotating_plain_cache,
+    is_rotating_quantized_cache,
+    is_turboquant_cache,
+)
+from .state.snapshot import Snapshot, load, read_header, save, verify
+
+__version__ = "0.1.0"

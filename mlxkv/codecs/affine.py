@@ -1,0 +1,93 @@
+"""``qkv`` and ``rotating-qkv``: mlx-lm's affine triples, keys then values."""
+
+from ..errors import CorruptSnapshotError
+from ..inference.quantized import AFFINE_BITS, AFFINE_GROUPS, QuantizedKVCache
+from ..inference.rotating import RotatingQuantizedKVCache
+from .base import Codec, expect_slots, require, same_prefix
+from .ring import check_ring
+
+SLOTS = ("kPacked", "kScales", "kBiases", "vPacked", "vScales", "vBiases")
+
+
+def affine_slots(keys, values, n=None):
+    cut = (lambda a: a) if n is None else (lambda a: a[..., :n, :])
+    return [(name, cut(a)) for name, a in zip(SLOTS, (*keys, *values))]
+
+
+def check_affine_entry(entry, shapes):
+    require(entry, "bits", "groupSize")
+    bits, group = entry["bits"], entry["groupSize"]
+    if bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
+        raise CorruptSnapshotError(f"{entry['kind']} entry: unsupported bits={bits} groupSize={group}")
+    expect_slots(entry, shapes, SLOTS)
+    same_prefix(entry, shapes, SLOTS)
+    for side in "kv":
+        packed, scales, biases = (shapes[f"{side}{s}"] for s in ("Packed", "Scales", "Biases"))
+        dim = packed[3] * 32 // bits
+        if packed[3] * 32 % bits or scales[3] * group != dim or biases[3] != scales[3]:
+            raise CorruptSnapshotError(
+                f"{entry['kind']} entry: {side} packed width {packed[3]} words, scales {scales[3]}, "
+                f"biases {biases[3]} do not describe one head_dim at bits={bits} group={group}"
+            )
+
+
+def affine_geometry(shapes, bits):
+    p = shapes["kPacked"]
+    return p[1], p[3] * 32 // bits
+
+
+class AffineCodec(Codec):
+    persisted_kind = "qkv"
+
+    def handles(self, kind):
+        return kind.startswith("kv:quant:")
+
+    def encode(self, cache):
+        n = cache.offset
+        fields = {"offset": n, "groupSize": cache.group_size, "bits": cache.bits}
+        return fields, affine_slots(cache.keys, cache.values, n)
+
+    def check(self, entry, shapes):
+        require(entry, "offset")
+        check_affine_entry(entry, shapes)
+        if shapes["kPacked"][2] != entry["offset"]:
+            raise CorruptSnapshotError(
+                f"qkv entry: slots hold {shapes['kPacked'][2]} positions but offset is {entry['offset']}"
+            )
+
+    def decode(self, entry, t):
+        c = QuantizedKVCache(group_size=entry["groupSize"], bits=entry["bits"])
+        k = tuple(t[s] for s in SLOTS[:3])
+        v = tuple(t[s] for s in SLOTS[3:])
+        return c.adopt(k, v, entry["offset"])
+
+    def geometry(self, entry, shapes):
+        return affine_geometry(shapes, entry["bits"])
+
+
+class RotatingAffineCodec(Codec):
+    persisted_kind = "rotating-qkv"
+
+    def handles(self, kind):
+        return kind.startswith("kv:rotating-quant:")
+
+    def encode(self, cache):
+        n = min(cache.offset, cache._rows())
+        fields = {
+            "offset": cache.offset, "idx": cache._idx, "maxSize": cache.max_size, "keep": cache.keep,
+            "groupSize": cache.group_size, "bits": cache.bits,
+        }
+        return fields, affine_slots(cache.keys, cache.values, n)
+
+    def check(self, entry, shapes):
+        check_affine_entry(entry, shapes)
+        check_ring(entry, shapes["kPacked"][2])
+
+    def decode(self, entry, t):
+        c = RotatingQuantizedKVCache(entry["maxSize"], entry["keep"], entry["groupSize"], entry["bits"])
+        k = tuple(t[s] for s in SLOTS[:3])
+        v = tuple(t[s] for s in SLOTS[3:])
+        return c.adopt(k, v, entry["offset"], entry["idx"])
+
+    def geometry(self, entry, shapes):
+        return affine_geometry(shapes, entry["bits"])

@@ -1,0 +1,33 @@
+"""``kv``: keys and values sliced to offset; restores with slack capacity."""
+
+from ..inference.plain import KVCache
+from .base import Codec, expect_slots, require, same_prefix
+from ..errors import CorruptSnapshotError
+
+SLOTS = ("keys", "values")
+
+
+class PlainCodec(Codec):
+    persisted_kind = "kv"
+
+    def handles(self, kind):
+        return kind == "kv:plain"
+
+    def encode(self, cache):
+        n = cache.offset
+        return {"offset": n}, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
+
+    def check(self, entry, shapes):
+        require(entry, "offset")
+        expect_slots(entry, shapes, SLOTS)
+        same_prefix(entry, shapes, SLOTS)
+        if shapes["keys"][2] != entry["offset"]:
+            raise CorruptSnapshotError(
+                f"kv entry: keys hold {shapes['keys'][2]} positions but offset is {entry['offset']}"
+            )
+
+    def decode(self, entry, tensors):
+        return KVCache().adopt(tensors["keys"], tensors["values"], entry["offset"])
+
+    def geometry(self, entry, shapes):
+        return shapes["keys"][1], shapes["keys"][3]

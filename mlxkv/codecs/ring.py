@@ -1,0 +1,41 @@
+"""``rotating``: the whole ring as laid out, with its write index."""
+
+from ..errors import CorruptSnapshotError
+from ..inference.rotating import RotatingKVCache
+from .base import Codec, expect_slots, require, same_prefix
+
+SLOTS = ("keys", "values")
+
+
+def check_ring(entry, rows):
+    require(entry, "offset", "idx", "maxSize", "keep")
+    off, idx, size, keep = entry["offset"], entry["idx"], entry["maxSize"], entry["keep"]
+    if size <= 0 or not 0 <= keep < size or not 0 <= idx <= rows or rows > off or rows < min(off, size):
+        raise CorruptSnapshotError(
+            f"{entry['kind']} entry: ring of {rows} rows with offset={off} idx={idx} "
+            f"maxSize={size} keep={keep} is not a ring mlxkv writes"
+        )
+
+
+class RingCodec(Codec):
+    persisted_kind = "rotating"
+
+    def handles(self, kind):
+        return kind == "kv:rotating-plain"
+
+    def encode(self, cache):
+        n = min(cache.offset, cache._rows())  # rows past offset are unwritten slack
+        fields = {"offset": cache.offset, "idx": cache._idx, "maxSize": cache.max_size, "keep": cache.keep}
+        return fields, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
+
+    def check(self, entry, shapes):
+        expect_slots(entry, shapes, SLOTS)
+        same_prefix(entry, shapes, SLOTS)
+        check_ring(entry, shapes["keys"][2])
+
+    def decode(self, entry, t):
+        c = RotatingKVCache(entry["maxSize"], entry["keep"])
+        return c.adopt(t["keys"], t["values"], entry["offset"], entry["idx"])
+
+    def geometry(self, entry, shapes):
+        return shapes["keys"][1], shapes["keys"][3]

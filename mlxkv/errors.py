@@ -1,0 +1,55 @@
+"""The exceptions mlxkv raises. Every one derives from :class:`MLXKVError`."""
+
+
+class MLXKVError(Exception):
+    """Base class: bad input, a damaged or incompatible snapshot, an unknown kind."""
+
+
+class UnknownKindError(MLXKVError):
+    """A cache kind (or persisted kind) that no registry entry handles."""
+
+    def __init__(self, kind, where: str = ""):
+        self.kind = kind
+        known = ""
+        try:  # late import: the registry composes codecs, errors must not depend on it
+            from .state.kinds import known_persisted_kinds
+
+            known = f" Known persisted kinds: {', '.join(known_persisted_kinds())}."
+        except Exception:  # pragma: no cover - registry import failure
+            pass
+        at = f" ({where})" if where else ""
+        super().__init__(
+            f"unknown cache kind {kind!r}{at}: no codec or dispatch handles it.{known}"
+        )
+
+
+class SchemeError(MLXKVError):
+    """A cache scheme string or cache option that cannot be built."""
+
+
+class CacheConfigError(MLXKVError):
+    """A cache constructed with inconsistent parameters."""
+
+
+class SnapshotError(MLXKVError):
+    """A snapshot file that cannot be written or read as asked."""
+
+
+class CorruptSnapshotError(SnapshotError):
+    """Truncated, bit-flipped or structurally invalid snapshot bytes."""
+
+
+class FormatVersionError(SnapshotError):
+    """A snapshot written in a format version this reader does not know."""
+
+
+class IdentityMismatchError(SnapshotError):
+    """The snapshot belongs to another model, tokenizer, config or adapter."""
+
+
+class GeometryMismatchError(SnapshotError):
+    """Layer count or head geometry of a snapshot disagrees with the model."""
+
+
+class EmptyCacheError(SnapshotError):
+    """Asked to snapshot caches that hold no tokens."""

@@ -1,0 +1,51 @@
+"""What every mlxkv cache has beyond mlx-lm's cache API (DESIGN section 2)."""
+
+from .masks import ForwardMasks
+from .reads import NamedReads
+
+
+class CacheContract(NamedReads):
+    """Mixin: ``kind``, the shared ``masks``, ``minimum_reusable_offset``, byte accounting.
+
+    ``kind`` is the stable identity every dispatch compares; a subclass that forgets it
+    fails loudly instead of being routed by its class name.
+    """
+
+    minimum_reusable_offset: int = 0
+    _masks: ForwardMasks = None
+
+    @property
+    def kind(self) -> str:  # pragma: no cover - every concrete cache overrides it
+        raise NotImplementedError(f"{type(self).__name__} does not declare its kind")
+
+    @property
+    def masks(self) -> ForwardMasks:
+        if self._masks is None:
+            self._masks = ForwardMasks()
+        return self._masks
+
+    @masks.setter
+    def masks(self, value: ForwardMasks):
+        self._masks = value
+
+    def bytes_per_token(self) -> int:
+        """Physical bytes one more token costs one row (0 while the geometry is unknown)."""
+        return 0
+
+    def dense_window(self):
+        """The stored positions as dense (keys, values), or None when empty."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}(kind={self.kind!r}, offset={self.offset})"
+
+
+def row_bytes(*arrays) -> int:
+    """Bytes one token position occupies in [B, H, T, ...] arrays, for one batch row."""
+    total = 0
+    for a in arrays:
+        if a is None:
+            continue
+        B, T = a.shape[0], a.shape[2]
+        total += a.nbytes // (B * T) if B * T else 0
+    return total

@@ -1,0 +1,32 @@
+"""``KVCache`` (``kv:plain``): mlx-lm's growing bf16 cache with mlxkv's contract."""
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from .base import CacheContract, row_bytes
+
+
+class KVCache(CacheContract, mlx_cache.KVCache):
+    kind = "kv:plain"
+
+    def make_mask(self, N: int, window_size=None, return_array: bool = False):
+        return self.masks.causal(N, self.offset, window_size, return_array)
+
+    def bytes_per_token(self) -> int:
+        return row_bytes(self.keys, self.values)
+
+    def dense_window(self):
+        return None if self.keys is None or self.offset == 0 else self.keys_and_values()
+
+    def adopt(self, keys: mx.array, values: mx.array, offset: int):
+        """Take ``keys``/``values`` holding exactly ``offset`` rows, with slack after them
+        so the next append writes in place (the write mlx-lm would have done)."""
+        B, H, T, _ = keys.shape
+        capacity = (offset // self.step + 1) * self.step
+        pad = capacity - T
+
+        def grow(a):
+            return mx.concatenate([a, mx.zeros((B, H, pad, a.shape[3]), a.dtype)], axis=2)
+
+        self.keys, self.values, self.offset = grow(keys), grow(values), offset
+        return self

@@ -1,0 +1,99 @@
+"""Bf16-first caches: store and attend bf16, then convert the live window once.
+
+``Bf16FirstCache`` holds a plain cache until ``start`` positions are stored (or, with
+``start == 0``, until the first append is done), then converts it with the target's
+``from_cache``. The append that reaches ``start`` is attended in bf16; the conversion runs at
+the start of the next append, so the attention call that follows an append always sees the
+storage it was handed (mlx-lm picks its SDPA by ``hasattr(cache, "bits")`` *after* the
+append). It reports the kind of the storage it holds now, as mlx-bun does, and the pending
+conversion travels in snapshots so a restored cache converts at the same position.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import CacheConfigError
+from .base import CacheContract
+from .plain import KVCache
+
+
+@dataclass(frozen=True)
+class PendingConversion:
+    scheme: str  # the target scheme without its start, e.g. "kv4-g64", "turbo-k8v3"
+    start: int
+    convert: Callable  # plain cache -> converted cache (consumes the plain cache)
+
+
+class Bf16FirstCache(CacheContract):
+    def __init__(self, pending: PendingConversion, inner=None):
+        if pending.start < 0:
+            raise CacheConfigError(f"conversion start must be >= 0, got {pending.start}")
+        self.inner = inner if inner is not None else KVCache()
+        self.pending = pending
+
+    # identity and position are the held storage's
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    @property
+    def offset(self) -> int:
+        return self.inner.offset
+
+    @property
+    def masks(self):
+        return self.inner.masks
+
+    @masks.setter
+    def masks(self, value):
+        self.inner.masks = value
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return self.inner.minimum_reusable_offset
+
+    @property
+    def pending_conversion(self):
+        """``{"scheme", "start"}`` while the conversion has not happened, else None."""
+        p = self.pending
+        return None if p is None else {"scheme": p.scheme, "start": p.start}
+
+    def _maybe_convert(self):
+        p = self.pending
+        if p is None or self.inner.offset == 0 or self.inner.offset < p.start:
+            return
+        at = self.inner.offset
+        self.inner = p.convert(self.inner)
+        if p.start > 0:
+            self.inner.minimum_reusable_offset = max(self.inner.minimum_reusable_offset, at)
+        self.pending = None
+
+    def update_and_fetch(self, keys, values):
+        self._maybe_convert()
+        return self.inner.update_and_fetch(keys, values)
+
+    def make_mask(self, *args, **kwargs):
+        return self.inner.make_mask(*args, **kwargs)
+
+    def is_trimmable(self):
+        return self.inner.is_trimmable()
+
+    def trim(self, n):
+        return self.inner.trim(n)
+
+    def bytes_per_token(self):
+        return self.inner.bytes_per_token()
+
+    def dense_window(self):
+        return self.inner.dense_window()
+
+    @property
+    def nbytes(self):
+        return self.inner.nbytes
+
+    def __getattr__(self, name):
+        # Only reached for names this class lacks: state, keys, bits (only once converted
+        # to an affine layout), group_size, empty(), ...
+        if name in ("inner", "pending"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -1,0 +1,100 @@
+"""Small seeded models of real mlx-lm architectures, built in code (no hub download).
+
+Used by the demo, the tests and the fixtures: a llama, a gemma3 with sliding-window layers,
+and a hybrid (lfm2: convolution layers with recurrent state between attention layers).
+"""
+
+import hashlib
+import json
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+VOCAB = 256
+
+CONFIGS = {
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "sliding_window": 32,
+        "sliding_window_pattern": 2,
+    },
+    "hybrid": {
+        "model_type": "lfm2",
+        "vocab_size": VOCAB,
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 128,
+        "block_ff_dim": 256,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1, 3],
+    },
+}
+
+ARCHITECTURES = tuple(CONFIGS)
+
+
+def build_model(arch: str, seed: int = 0, dtype=mx.bfloat16, **overrides):
+    """The seeded model ``arch`` (one of ``ARCHITECTURES``); same seed, same weights."""
+    from mlx_lm.utils import _get_classes
+
+    if arch not in CONFIGS:
+        raise ValueError(f"unknown seeded architecture {arch!r}; choose from {ARCHITECTURES}")
+    config = {**CONFIGS[arch], **overrides}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # Re-draw every weight from one key so the weights do not depend on init order.
+    key = mx.random.key(seed)
+    params = tree_flatten(model.parameters())
+    new = []
+    for i, (name, p) in enumerate(params):
+        k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.split(key, len(params))[i]
+        scale = 1.0 if "norm" in name else 0.05
+        val = (mx.random.normal(p.shape, key=k) * scale + (1.0 if "norm" in name and arch != "gemma3" else 0.0))
+        new.append((name, val.astype(dtype)))
+    model.load_weights(new)
+    mx.eval(model.parameters())
+    model.eval()
+    model.mlxkv_config = config
+    model.mlxkv_model_id = f"seeded/{arch}@{seed}"
+    return model
+
+
+def config_fingerprint(config: dict) -> str:
+    """sha256 over the canonical JSON of a model config (sorted keys, no spaces)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prompt(n: int, seed: int = 1) -> list:
+    """A deterministic token prompt of length n."""
+    return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed)).tolist()

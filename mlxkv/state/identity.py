@@ -1,0 +1,62 @@
+"""Who a snapshot belongs to: model id, config fingerprint, tokenizer hash, adapter namespace,
+and the geometry (layer count, kv heads, head dim) a model expects."""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+IDENTITY_FIELDS = {  # python keyword -> header field
+    "model_id": "modelId",
+    "config_fingerprint": "configFingerprint",
+    "tokenizer_hash": "tokenizerHash",
+    "ns": "ns",
+}
+
+
+def _config_of(model) -> dict:
+    cfg = getattr(model, "mlxkv_config", None)
+    if cfg is None:
+        args = getattr(model, "args", None)
+        cfg = dict(vars(args)) if args is not None else {}
+    return cfg
+
+
+def config_fingerprint(model_or_config) -> str:
+    """sha256 hex of the canonical JSON of a model config (or of a config dict)."""
+    cfg = model_or_config if isinstance(model_or_config, dict) else _config_of(model_or_config)
+    text = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 hex over a tokenizer's vocabulary (token -> id, sorted)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else dict(tokenizer)
+    text = json.dumps(sorted(vocab.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_identity(model) -> dict:
+    """The identity fields a snapshot of this model carries (ids mlxkv can derive)."""
+    cfg = _config_of(model)
+    model_id = getattr(model, "mlxkv_model_id", None) or cfg.get("_name_or_path") or cfg.get("model_type", "")
+    return {"model_id": str(model_id), "config_fingerprint": config_fingerprint(cfg)}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    kv_heads: Optional[int]
+    head_dim: Optional[int]
+
+
+def model_geometry(model) -> Geometry:
+    from ..inference.schemes import make_cache  # state composes inference
+
+    layers = len(make_cache(model, "bf16"))
+    cfg = _config_of(model)
+    kv = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    hd = cfg.get("head_dim")
+    if hd is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return Geometry(layers, kv, hd)

@@ -1,0 +1,318 @@
+"""Snapshots: every cache of a model in one safetensors file (DESIGN section 4).
+
+``save`` encodes each cache through its kind's codec and streams the tensors to an atomic
+write; ``load`` checks the whole header (version, provider, kinds, identity, geometry, slot
+shapes, byte ranges) before a single tensor is read, then reads one tensor at a time and
+verifies its CRC-32. ``read_header`` is the check without tensor I/O.
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..codecs.safetensors_io import (
+    SafetensorsHeader,
+    TensorReader,
+    crc32_hex,
+    dtype_name,
+    read_safetensors_header,
+    write_atomic,
+)
+from ..errors import (
+    CorruptSnapshotError,
+    EmptyCacheError,
+    FormatVersionError,
+    GeometryMismatchError,
+    IdentityMismatchError,
+    SnapshotError,
+)
+from ..inference.masks import ForwardMasks
+from ..inference.schemes import scheme_for_pending
+from ..inference.transition import Bf16FirstCache
+from .identity import IDENTITY_FIELDS, model_geometry
+from .kinds import codec_for_kind, codec_for_persisted, kind_of
+
+FORMAT_VERSION = 1
+CODEC_PROVIDER = "mlxkv"
+ACCEPTED_PROVIDERS = ("mlxkv", "mlx-bun")
+META_KEY = "mlxkv"
+META_CRC_KEY = "mlxkv.crc32"
+
+
+@dataclass
+class Snapshot:
+    caches: list
+    tokens: List[int]
+    header: dict
+    path: str = ""
+
+    @property
+    def generation_checkpoint(self) -> Optional[dict]:
+        return self.header.get("generationCheckpoint")
+
+
+def _is_empty(cache) -> bool:
+    if kind_of(cache) == "ssm":
+        return all(a is None for a in cache.cache)
+    return cache.offset == 0
+
+
+def _encode_all(caches, tokens):
+    if not caches:
+        raise EmptyCacheError("nothing to save: the cache list is empty")
+    entries, tensors = [], []
+    for i, cache in enumerate(caches):
+        kind = kind_of(cache)
+        codec = codec_for_kind(kind)  # unknown kinds fail before anything is written
+        if _is_empty(cache):
+            raise EmptyCacheError(
+                f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving"
+            )
+        if kind != "ssm" and cache.offset != len(tokens):
+            raise SnapshotError(
+                f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
+                "tokens must be the exact prefix the caches encode"
+            )
+        fields, slots = codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+        entry = {"kind": codec.persisted_kind, **fields, "minimumReusableOffset": cache.minimum_reusable_offset}
+        pending = getattr(cache, "pending_conversion", None)
+        if pending is not None:
+            entry["pendingConversion"] = pending
+        entry["tensors"] = []
+        for slot, array in slots:
+            name = f"caches.{i}.{slot}"
+            entry["tensors"].append({"name": name, "slot": slot})
+            tensors.append((name, array))
+        entries.append(entry)
+    return entries, tensors
+
+
+def save(
+    path: str,
+    caches: Sequence,
+    tokens: Sequence[int],
+    *,
+    model_id: str = "",
+    config_fingerprint: str = "",
+    tokenizer_hash: str = "",
+    ns: str = "",
+    generation_checkpoint: Optional[dict] = None,
+    attachments: Optional[dict] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    fsync: bool = True,
+) -> dict:
+    """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
+
+    Everything is checked before the file is opened; the write is atomic, so a snapshot
+    already at ``path`` survives any failure.
+    """
+    tokens = [int(t) for t in tokens]
+    entries, tensors = _encode_all(list(caches), tokens)
+    for name, a in tensors:
+        dtype_name(a)  # unsupported dtypes fail before the file is opened
+    by_name = {n: a for n, a in tensors}
+    base = {
+        "formatVersion": FORMAT_VERSION,
+        "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "codecProvider": CODEC_PROVIDER,
+        "modelId": model_id,
+        "configFingerprint": config_fingerprint,
+        "tokenizerHash": tokenizer_hash,
+        "ns": ns,
+        "tokens": tokens,
+        "caches": entries,
+    }
+    if generation_checkpoint is not None:
+        base["generationCheckpoint"] = generation_checkpoint
+    if attachments:
+        base["attachments"] = attachments
+    try:
+        json.dumps(base)
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
+
+    final = {}
+
+    def build(crcs: Dict[str, str]) -> Dict[str, str]:
+        for entry in entries:
+            for t in entry["tensors"]:
+                a = by_name[t["name"]]
+                t["dtype"], t["shape"] = dtype_name(a), list(a.shape)
+                t["crc32"] = crcs[t["name"]]
+        text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
+        final["header"] = base
+        return {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
+
+    write_atomic(path, tensors, build, progress=progress, fsync=fsync)
+    return final["header"]
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def _parse(st: SafetensorsHeader) -> dict:
+    path = st.path
+    text = st.metadata.get(META_KEY)
+    if text is None:
+        raise SnapshotError(
+            f"{path}: not an mlxkv snapshot (no {META_KEY!r} metadata); "
+            "for an mlx-lm prompt-cache file use `mlxkv convert`"
+        )
+    crc = st.metadata.get(META_CRC_KEY)
+    if crc is not None and crc != crc32_hex(text.encode()):
+        raise CorruptSnapshotError(f"{path}: checksum mismatch in the snapshot header: the file is damaged")
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise CorruptSnapshotError(f"{path}: damaged snapshot header ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptSnapshotError(f"{path}: damaged snapshot header: not an object")
+    version = header.get("formatVersion")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CorruptSnapshotError(f"{path}: formatVersion missing or not an integer")
+    if version > FORMAT_VERSION or version < 1:
+        raise FormatVersionError(
+            f"{path}: snapshot format version {version}; this mlxkv reads version "
+            f"{FORMAT_VERSION} and older: upgrade mlxkv to read it"
+        )
+    provider = header.get("codecProvider")
+    if provider not in ACCEPTED_PROVIDERS:
+        raise SnapshotError(f"{path}: codec provider {provider!r} is not one of {ACCEPTED_PROVIDERS}")
+    tokens = header.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise CorruptSnapshotError(f"{path}: tokens must be a list of integers")
+    entries = header.get("caches")
+    if not isinstance(entries, list) or not entries:
+        raise CorruptSnapshotError(f"{path}: the snapshot lists no caches")
+    seen = set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), list):
+            raise CorruptSnapshotError(f"{path}: cache entry {i} is malformed")
+        codec = codec_for_persisted(entry.get("kind"))
+        shapes = {}
+        for t in entry["tensors"]:
+            name = t.get("name") if isinstance(t, dict) else None
+            info = st.tensors.get(name)
+            if info is None or name in seen:
+                raise CorruptSnapshotError(f"{path}: cache entry {i} names tensor {name!r}, which the file lacks")
+            if t.get("slot") is None or name != f"caches.{i}.{t['slot']}":
+                raise CorruptSnapshotError(f"{path}: tensor {name!r} is not named caches.{i}.<slot>")
+            if info.dtype != t.get("dtype") or info.shape != t.get("shape"):
+                raise CorruptSnapshotError(
+                    f"{path}: tensor {name!r}: header says {t.get('dtype')} {t.get('shape')}, "
+                    f"file holds {info.dtype} {info.shape}"
+                )
+            if not isinstance(t.get("crc32"), str):
+                raise CorruptSnapshotError(f"{path}: tensor {name!r} has no crc32")
+            seen.add(name)
+            shapes[t["slot"]] = info.shape
+        if not isinstance(entry.get("minimumReusableOffset"), int):
+            raise CorruptSnapshotError(f"{path}: cache entry {i} lacks minimumReusableOffset")
+        try:
+            codec.check(entry, shapes)
+        except CorruptSnapshotError as e:
+            raise CorruptSnapshotError(f"{path}: cache entry {i}: {e}") from None
+        if "pendingConversion" in entry:
+            p = entry["pendingConversion"]
+            if not isinstance(p, dict) or not isinstance(p.get("scheme"), str) or not isinstance(p.get("start"), int):
+                raise CorruptSnapshotError(f"{path}: cache entry {i}: malformed pendingConversion {p!r}")
+    extra = set(st.tensors) - seen
+    if extra:
+        raise CorruptSnapshotError(f"{path}: tensors {sorted(extra)} belong to no cache entry")
+    return header
+
+
+def read_header(path: str) -> dict:
+    """The validated mlxkv header of ``path``; no tensor bytes are read."""
+    return _parse(read_safetensors_header(path))
+
+
+def _check_identity(path, header, expect):
+    for key, value in expect.items():
+        if key not in IDENTITY_FIELDS:
+            raise TypeError(f"load() got an unexpected expectation {key!r}")
+        if value is None:
+            continue
+        field_name = IDENTITY_FIELDS[key]
+        if header.get(field_name) != value:
+            raise IdentityMismatchError(
+                f"{path}: {field_name} is {header.get(field_name)!r}, expected {value!r}: "
+                "this snapshot belongs to another model, tokenizer, config or adapter"
+            )
+
+
+def _check_geometry(path, header, model):
+    geo = model_geometry(model)
+    entries = header["caches"]
+    if len(entries) != geo.layers:
+        raise GeometryMismatchError(
+            f"{path}: snapshot has {len(entries)} cache layers, the model has {geo.layers}"
+        )
+    for i, entry in enumerate(entries):
+        shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
+        g = codec_for_persisted(entry["kind"]).geometry(entry, shapes)
+        if g is None:
+            continue
+        heads, dim = g
+        if (geo.kv_heads is not None and heads != geo.kv_heads) or (geo.head_dim is not None and dim != geo.head_dim):
+            raise GeometryMismatchError(
+                f"{path}: layer {i} stores {heads} kv heads of dim {dim}; the model has "
+                f"{geo.kv_heads} kv heads of dim {geo.head_dim}"
+            )
+
+
+def load(
+    path: str,
+    model=None,
+    *,
+    verify: bool = True,
+    progress: Optional[Callable[[int, int], None]] = None,
+    **expect,
+) -> Snapshot:
+    """Restore a snapshot. ``expect`` takes model_id, config_fingerprint, tokenizer_hash, ns;
+    a given ``model`` is checked for layer count and head geometry."""
+    st = read_safetensors_header(path)
+    header = _parse(st)
+    _check_identity(path, header, expect)
+    if model is not None:
+        _check_geometry(path, header, model)
+
+    masks = ForwardMasks()
+    caches, done, total = [], 0, st.file_size - st.data_start
+    with TensorReader(st) as reader:
+        for entry in header["caches"]:
+            tensors = {}
+            for t in entry["tensors"]:
+                tensors[t["slot"]] = reader.read(t["name"], t["crc32"] if verify else None)
+                done += st.tensors[t["name"]].end - st.tensors[t["name"]].begin
+                if progress:
+                    progress(done, total)
+            cache = codec_for_persisted(entry["kind"]).decode(entry, tensors)
+            cache.minimum_reusable_offset = entry["minimumReusableOffset"]
+            if "pendingConversion" in entry:
+                cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
+            cache.masks = masks
+            caches.append(cache)
+    return Snapshot(caches, list(header["tokens"]), header, path)
+
+
+def verify(path: str, progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Check every checksum of ``path`` without building caches; returns the header."""
+    st = read_safetensors_header(path)
+    header = _parse(st)
+    done, total = 0, st.file_size - st.data_start
+    with TensorReader(st) as reader:
+        for entry in header["caches"]:
+            for t in entry["tensors"]:
+                got = reader.checksum(t["name"])
+                if got != t["crc32"]:
+                    raise CorruptSnapshotError(
+                        f"{path}: checksum mismatch in tensor {t['name']!r} (stored {t['crc32']}, "
+                        f"computed {got}): the file is damaged"
+                    )
+                info = st.tensors[t["name"]]
+                done += info.end - info.begin
+                if progress:
+                    progress(done, total)
+    return header
