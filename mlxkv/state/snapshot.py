@@ -101,11 +101,12 @@ def save(
     attachments: Optional[dict] = None,
     progress: Optional[Callable[[int, int], None]] = None,
     fsync: bool = True,
+    created_at: Optional[str] = None,
 ) -> dict:
     """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
 
     Everything is checked before the file is opened; the write is atomic, so a snapshot
-    already at ``path`` survives any failure.
+    already at ``path`` survives any failure. ``created_at`` pins the timestamp (fixtures).
     """
     tokens = [int(t) for t in tokens]
     entries, tensors = _encode_all(list(caches), tokens)
@@ -114,7 +115,7 @@ def save(
     by_name = {n: a for n, a in tensors}
     base = {
         "formatVersion": FORMAT_VERSION,
-        "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "codecProvider": CODEC_PROVIDER,
         "modelId": model_id,
         "configFingerprint": config_fingerprint,
