@@ -98,3 +98,19 @@ def config_fingerprint(config: dict) -> str:
 def prompt(n: int, seed: int = 1) -> list:
     """A deterministic token prompt of length n."""
     return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed)).tolist()
+
+
+def tokenizer():
+    """A byte-level word tokenizer over the seeded vocabulary, wrapped for mlx-lm.
+
+    Token i is the word ``<ii>`` (two hex digits); ``<00>`` is the end-of-sequence token.
+    It lets ``mlx_lm.generate`` and ``mlx_lm.stream_generate`` run on the seeded models.
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i:02x}>": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<00>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<00>"))

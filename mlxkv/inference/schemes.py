@@ -88,12 +88,16 @@ def scheme_for_pending(pending: dict) -> PendingConversion:
 
 
 def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, **options) -> list:
-    """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``."""
+    """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
+
+    ``max_kv_size`` turns full-attention layers into rings of that size keeping the first
+    4 positions (mlx-lm's choice), rotating-quantized under an affine scheme.
+    """
     parsed = parse_scheme(scheme, options)
+    if max_kv_size is not None and parsed.ring is None:
+        raise SchemeError(f"scheme {scheme!r} has no ring form: max_kv_size cannot be used with it")
     if hasattr(model, "make_cache"):
         template = model.make_cache()
-    elif max_kv_size is not None:
-        template = [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
     else:
         template = [mlx_cache.KVCache() for _ in model.layers]
 
@@ -101,21 +105,17 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, *
     caches, warned = [], False
     for i, t in enumerate(template):
         if isinstance(t, mlx_cache.RotatingKVCache):
-            ring_of_scheme = max_kv_size is not None and not hasattr(model, "make_cache")
-            if ring_of_scheme and parsed.ring is not None:
-                c = parsed.ring(t.max_size, t.keep)
-            else:
-                if parsed.quantizes and not warned:
-                    warnings.warn(
-                        f"scheme {scheme!r}: sliding-window layers stay rotating-plain (bf16)",
-                        stacklevel=2,
-                    )
-                    warned = True
-                c = RotatingKVCache(t.max_size, t.keep)
+            if parsed.quantizes and not warned:
+                warnings.warn(
+                    f"scheme {scheme!r}: sliding-window layers stay rotating-plain (bf16)",
+                    stacklevel=2,
+                )
+                warned = True
+            c = RotatingKVCache(t.max_size, t.keep)
         elif isinstance(t, mlx_cache.ArraysCache):
             c = ArraysCache(len(t.cache))
         elif isinstance(t, mlx_cache.KVCache):
-            c = parsed.build(i, options)
+            c = parsed.build(i, options) if max_kv_size is None else parsed.ring(max_kv_size, 4)
         else:
             raise SchemeError(
                 f"layer {i}: the model asks for an mlx-lm {type(t).__name__}, which has no "

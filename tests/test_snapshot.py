@@ -1,0 +1,262 @@
+"""Snapshots of the serial family: round trips, bit-exact resume, damaged files, atomicity."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import pytest
+from safetensors import safe_open
+
+import mlxkv
+from mlxkv.inference.schemes import make_cache
+from mlxkv.seeded import prompt
+
+from conftest import greedy, run
+from helpers import data_start, flip_bit, read_raw, rewrite_header
+
+SLOTS = {
+    "kv": ["keys", "values"],
+    "qkv": ["kPacked", "kScales", "kBiases", "vPacked", "vScales", "vBiases"],
+    "rotating": ["keys", "values"],
+    "rotating-qkv": ["kPacked", "kScales", "kBiases", "vPacked", "vScales", "vBiases"],
+    "ssm": ["0"],
+}
+
+CASES = [  # (arch, scheme, make_cache options, prompt length, prefill chunk)
+    ("llama", "bf16", {}, 37, 16),
+    ("llama", "kv4", {}, 37, 16),
+    ("llama", "kv8-g32", {}, 37, 16),
+    ("llama", "kv4-start16", {}, 12, 12),  # saved before its conversion
+    ("llama", "kv4-start16", {}, 37, 16),  # and after
+    ("llama", "bf16", {"max_kv_size": 24}, 50, 7),  # wrapped rings with keep=4
+    ("llama", "kv8", {"max_kv_size": 24}, 50, 7),  # wrapped rotating-quantized rings
+    ("gemma3", "bf16", {}, 45, 16),  # sliding layers wrapped (window 32)
+    ("gemma3", "kv4", {}, 45, 45),
+    ("hybrid", "bf16", {}, 21, 8),
+    ("hybrid", "kv8-g32", {}, 21, 8),
+]
+
+
+def _ids(case):
+    arch, scheme, opts, n, _ = case
+    return f"{arch}-{scheme}-{n}" + ("-ring" if opts else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_resume_is_bit_exact(models, tmp_path, case):
+    arch, scheme, opts, n, chunk = case
+    model = models(arch)
+    caches = make_cache(model, scheme, **opts)
+    tokens = prompt(n)
+    run(model, caches, tokens, chunk)
+    path = str(tmp_path / "s.safetensors")
+    header = mlxkv.save(path, caches, tokens, model_id=model.mlxkv_model_id)
+    snap = mlxkv.load(path, model=model, model_id=model.mlxkv_model_id)
+    assert snap.tokens == tokens
+    for c, r in zip(caches, snap.caches):
+        assert (r.kind, r.offset, r.minimum_reusable_offset) == (c.kind, c.offset, c.minimum_reusable_offset)
+    a_toks, a_logits = greedy(model, caches, 7, 12)
+    b_toks, b_logits = greedy(model, snap.caches, 7, 12)
+    assert a_toks == b_toks
+    assert all(mx.array_equal(x, y) for x, y in zip(a_logits, b_logits))
+    assert [c.kind for c in caches] == [c.kind for c in snap.caches]
+    for entry in header["caches"]:
+        assert [t["slot"] for t in entry["tensors"]] == SLOTS[entry["kind"]][: len(entry["tensors"])]
+
+
+def test_header_fields_slots_and_dtypes(models, tmp_path):
+    model = models("gemma3")
+    caches = make_cache(model, "kv4")
+    tokens = prompt(40)
+    run(model, caches, tokens, 16)
+    path = str(tmp_path / "g.safetensors")
+    mlxkv.save(path, caches, tokens, model_id="m", config_fingerprint="cf", tokenizer_hash="th", ns="lora-a")
+    h = mlxkv.read_header(path)
+    assert h["formatVersion"] == 1 and h["codecProvider"] == "mlxkv" and h["tokens"] == tokens
+    assert (h["modelId"], h["configFingerprint"], h["tokenizerHash"], h["ns"]) == ("m", "cf", "th", "lora-a")
+    ring, quant = h["caches"][0], h["caches"][1]
+    assert ring["kind"] == "rotating" and ring["maxSize"] == 32 and ring["keep"] == 0
+    assert ring["offset"] == 40 and ring["idx"] == caches[0]._idx
+    assert [t["dtype"] for t in ring["tensors"]] == ["BF16", "BF16"]
+    assert quant["kind"] == "qkv" and (quant["bits"], quant["groupSize"], quant["offset"]) == (4, 64, 40)
+    assert [t["dtype"] for t in quant["tensors"]] == ["U32", "BF16", "BF16"] * 2
+    assert quant["tensors"][0]["shape"] == [1, 2, 40, 8] and quant["tensors"][1]["shape"] == [1, 2, 40, 1]
+    assert all(len(t["crc32"]) == 8 for e in h["caches"] for t in e["tensors"])
+    with safe_open(path, "numpy") as f:  # the safetensors package reads our files
+        assert set(f.keys()) == {t["name"] for e in h["caches"] for t in e["tensors"]}
+        assert json.loads(f.metadata()["mlxkv"]) == h
+
+
+def test_file_holds_logical_bytes_only(models, tmp_path):
+    model = models("llama")
+    caches = make_cache(model, "bf16")
+    tokens = prompt(10)
+    run(model, caches, tokens)
+    path = str(tmp_path / "p.safetensors")
+    mlxkv.save(path, caches, tokens)
+    logical = 4 * 2 * (1 * 2 * 10 * 64 * 2)  # layers * (K,V) * bytes of 10 positions
+    assert os.path.getsize(path) == data_start(path) + logical
+    restored = mlxkv.load(path).caches[0]
+    assert restored.keys.shape[2] == 256 and restored.offset == 10  # slack restored, not stored
+
+
+@pytest.fixture
+def saved(models, tmp_path):
+    model = models("llama")
+    caches = make_cache(model, "bf16")
+    tokens = prompt(12)
+    run(model, caches, tokens)
+    path = str(tmp_path / "s.safetensors")
+    mlxkv.save(path, caches, tokens, model_id=model.mlxkv_model_id)
+    return path, model, caches, tokens
+
+
+def test_truncated_file(saved):
+    path = saved[0]
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(mlxkv.CorruptSnapshotError, match="truncated"):
+        mlxkv.load(path)
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with pytest.raises(mlxkv.CorruptSnapshotError, match="truncated"):
+        mlxkv.read_header(path)
+
+
+def test_flipped_bit_in_a_tensor(saved):
+    path = saved[0]
+    flip_bit(path, data_start(path) + 1000, bit=3)
+    mlxkv.read_header(path)  # the header is intact
+    with pytest.raises(mlxkv.CorruptSnapshotError, match="checksum mismatch in tensor"):
+        mlxkv.load(path)
+    with pytest.raises(mlxkv.CorruptSnapshotError, match="checksum mismatch"):
+        mlxkv.verify(path)
+    assert mlxkv.load(path, verify=False).caches[0].offset == 12  # explicitly unverified
+
+
+def test_flipped_bit_in_the_header(saved):
+    path = saved[0]
+    doc, _ = read_raw(path)
+    raw = open(path, "rb").read()
+    at = raw.index(b'"modelId') + 3  # inside our JSON header text
+    flip_bit(path, at, bit=1)
+    with pytest.raises(mlxkv.CorruptSnapshotError):
+        mlxkv.read_header(path)
+
+
+def test_unknown_kind_fails_before_any_tensor_is_read(saved, monkeypatch):
+    from mlxkv.codecs import safetensors_io
+
+    path = saved[0]
+    rewrite_header(path, lambda h: h["caches"][2].update(kind="kv-from-the-future"))
+    reads = []
+    monkeypatch.setattr(safetensors_io.TensorReader, "read", lambda self, *a: reads.append(a))
+    with pytest.raises(mlxkv.UnknownKindError, match="kv-from-the-future"):
+        mlxkv.load(path)
+    assert reads == []
+
+
+def test_newer_format_version(saved):
+    path = saved[0]
+    rewrite_header(path, lambda h: h.update(formatVersion=2))
+    with pytest.raises(mlxkv.FormatVersionError, match="version 2"):
+        mlxkv.read_header(path)
+
+
+def test_identity_mismatch(saved):
+    path, model = saved[0], saved[1]
+    with pytest.raises(mlxkv.IdentityMismatchError, match="modelId"):
+        mlxkv.load(path, model_id="someone/else")
+    with pytest.raises(mlxkv.IdentityMismatchError, match="ns"):
+        mlxkv.load(path, ns="adapter-b")
+    assert mlxkv.load(path, model_id=model.mlxkv_model_id, ns="").caches
+
+
+def test_wrong_layer_count_and_head_geometry(saved, models):
+    path = saved[0]
+    with pytest.raises(mlxkv.GeometryMismatchError, match="3"):
+        mlxkv.load(path, model=models("llama", num_hidden_layers=3))
+    with pytest.raises(mlxkv.GeometryMismatchError, match="kv heads"):
+        mlxkv.load(path, model=models("llama", num_key_value_heads=4))
+    with pytest.raises(mlxkv.GeometryMismatchError, match="kv heads"):
+        mlxkv.load(path, model=models("hybrid"))
+
+
+def test_declared_shape_that_disagrees_with_the_file(saved):
+    path = saved[0]
+
+    def lie(h):
+        h["caches"][0]["offset"] = 13
+
+    rewrite_header(path, lie)
+    with pytest.raises(mlxkv.CorruptSnapshotError, match="offset"):
+        mlxkv.load(path)
+
+
+def test_empty_cache_and_bad_tokens_are_refused_before_writing(models, tmp_path):
+    path = str(tmp_path / "e.safetensors")
+    with pytest.raises(mlxkv.EmptyCacheError, match="holds no tokens"):
+        mlxkv.save(path, make_cache(models("llama"), "bf16"), [])
+    with pytest.raises(mlxkv.EmptyCacheError):
+        mlxkv.save(path, [], [])
+    caches = make_cache(models("llama"), "bf16")
+    run(models("llama"), caches, prompt(5))
+    with pytest.raises(mlxkv.SnapshotError, match="exact prefix"):
+        mlxkv.save(path, caches, prompt(4))
+
+    class Stranger(mlxkv.KVCache):
+        kind = "kv:stranger"
+
+    odd = Stranger()
+    odd.offset = 5
+    with pytest.raises(mlxkv.UnknownKindError, match="kv:stranger"):
+        mlxkv.save(path, caches[:3] + [odd], prompt(5))
+    assert not os.listdir(tmp_path)
+
+
+def test_failed_save_keeps_the_previous_snapshot(saved):
+    path, model, caches, tokens = saved
+    before = open(path, "rb").read()
+
+    def boom(done, total):
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        mlxkv.save(path, caches, tokens, progress=boom)
+    assert open(path, "rb").read() == before
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # temp file removed
+
+
+WRITER = r"""
+import sys, time, mlx.core as mx, mlxkv
+caches = []
+for _ in range(8):
+    c = mlxkv.KVCache()
+    c.update_and_fetch(mx.ones((1, 8, 4096, 128), mx.bfloat16), mx.ones((1, 8, 4096, 128), mx.bfloat16))
+    caches.append(c)
+def slow(done, total):
+    print(done, flush=True)
+    time.sleep(0.3)
+mlxkv.save(sys.argv[1], caches, list(range(4096)), progress=slow)
+print("finished", flush=True)
+"""
+
+
+def test_save_killed_mid_write_leaves_the_previous_snapshot(saved):
+    path = saved[0]
+    before = open(path, "rb").read()
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # one tensor of sixteen is on disk
+    assert line.strip().isdigit()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert open(path, "rb").read() == before
+    assert mlxkv.load(path).tokens == saved[3]
+    leftovers = [f for f in os.listdir(os.path.dirname(path)) if f != os.path.basename(path)]
+    assert all(f.endswith(".tmp") and f.startswith(".") for f in leftovers)
