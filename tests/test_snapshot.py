@@ -260,3 +260,29 @@ def test_save_killed_mid_write_leaves_the_previous_snapshot(saved):
     assert mlxkv.load(path).tokens == saved[3]
     leftovers = [f for f in os.listdir(os.path.dirname(path)) if f != os.path.basename(path)]
     assert all(f.endswith(".tmp") and f.startswith(".") for f in leftovers)
+
+
+def test_peak_extra_memory_is_per_tensor_not_per_cache(tmp_path):
+    caches = []
+    for _ in range(8):
+        c = mlxkv.KVCache()
+        x = mx.random.normal((1, 8, 1000, 128)).astype(mx.bfloat16)
+        c.update_and_fetch(x, x)
+        caches.append(c)
+    mx.eval([c.keys for c in caches])
+    tensor = 1 * 8 * 1000 * 128 * 2
+    total = 16 * tensor
+    path = str(tmp_path / "m.safetensors")
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mlxkv.save(path, caches, list(range(1000)))
+    save_extra = mx.get_peak_memory() - base
+    del caches, c, x
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    snap = mlxkv.load(path)
+    load_extra = mx.get_peak_memory() - mx.get_active_memory()
+    assert snap.caches[7].offset == 1000
+    assert save_extra < 3 * tensor < total / 4
+    assert load_extra < 3 * tensor

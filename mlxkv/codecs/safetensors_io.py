@@ -54,9 +54,9 @@ def crc32_hex(data) -> str:
 
 def array_buffer(a: mx.array) -> memoryview:
     """The row-major bytes of ``a`` (one contiguous copy at most)."""
-    a = mx.contiguous(a)
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
+    a = mx.contiguous(a)
     mx.eval(a)
     return memoryview(np.asarray(a)).cast("B")
 

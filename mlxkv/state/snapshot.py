@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+import mlx.core as mx
+
 from ..codecs.safetensors_io import (
     SafetensorsHeader,
     TensorReader,
@@ -290,6 +292,8 @@ def load(
                 if progress:
                     progress(done, total)
             cache = codec_for_persisted(entry["kind"]).decode(entry, tensors)
+            mx.eval(cache.state)  # materialize now: peak extra memory stays one cache's tensors
+            del tensors
             cache.minimum_reusable_offset = entry["minimumReusableOffset"]
             if "pendingConversion" in entry:
                 cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
