@@ -12,7 +12,6 @@ import mmap
 import os
 import struct
 import tempfile
-import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -20,6 +19,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
+
+try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD)
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
+    from zlib import crc32 as _crc32
 
 # safetensors dtype name <-> (mlx dtype, numpy dtype of the raw bytes)
 DTYPES = {
@@ -49,7 +53,8 @@ def dtype_name(a: mx.array) -> str:
 
 
 def crc32_hex(data) -> str:
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    """CRC-32 (zlib's) as 8 lowercase hex digits."""
+    return f"{_crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def array_buffer(a: mx.array) -> memoryview:
@@ -235,8 +240,7 @@ class TensorReader:
                         f"{self.header.path}: checksum mismatch in tensor {name!r} "
                         f"(stored {expected_crc}, computed {got}): the file is damaged"
                     )
-            mx_dtype, np_dtype = DTYPES[info.dtype]
-            arr = mx.array(np.frombuffer(view, dtype=np_dtype))
+            arr = mx.array(np.frombuffer(view, dtype=DTYPES[info.dtype][1]))
         finally:
             view.release()
         if info.dtype == "BF16":
