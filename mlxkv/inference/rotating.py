@@ -131,6 +131,14 @@ class _Ring(CacheContract, mlx_cache._BaseCache):
     def size(self):
         return min(self.offset, self.max_size)
 
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values = v
+
     def empty(self):
         return self.keys is None
 
@@ -202,14 +210,6 @@ def _map2(fn, a, b):
 class RotatingKVCache(_Ring):
     kind = "kv:rotating-plain"
 
-    @property
-    def state(self):
-        return self.keys, self.values
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values = v
-
 
 class RotatingQuantizedKVCache(_Ring):
     """A ring of mlx-lm affine triples; ``bits`` is real (mlx-lm's quantized SDPA reads it)."""
@@ -228,11 +228,3 @@ class RotatingQuantizedKVCache(_Ring):
 
     def _decode(self, x):
         return mx.dequantize(*x, group_size=self.group_size, bits=self.bits)
-
-    @property
-    def state(self):
-        return self.keys, self.values
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values = v
