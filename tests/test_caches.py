@@ -200,3 +200,17 @@ def test_unknown_kind_is_a_loud_error():
         codec_for_kind("kv:batched-mask:kv:plain")
     with pytest.raises(mlxkv.UnknownKindError, match="'nope'"):
         codec_for_persisted("nope")
+
+
+def test_mlx_lm_save_prompt_cache_accepts_our_caches(models, tmp_path):
+    """``state`` is mlx-lm's, so mlx-lm's own save/load round-trips our plain and ring caches."""
+    model = models("gemma3")
+    caches = make_cache(model, "bf16")
+    run(model, caches, prompt(40), chunk=16)
+    path = str(tmp_path / "mlx.safetensors")
+    mlx_cache.save_prompt_cache(path, caches)
+    theirs = mlx_cache.load_prompt_cache(path)
+    assert [type(c).__name__ for c in theirs] == ["RotatingKVCache", "KVCache"] * 2
+    a, _ = greedy(model, caches, 5, 6)
+    b, _ = greedy(model, theirs, 5, 6)
+    assert a == b

@@ -132,23 +132,15 @@ class _Ring(CacheContract, mlx_cache._BaseCache):
         return min(self.offset, self.max_size)
 
     @property
-    def state(self):
-        return self.keys, self.values
+    def state(self):  # mlx-lm's RotatingKVCache state, so its save/load and eval work
+        return self.keys, self.values, self.offset, self.keep, self.max_size, self._idx
 
     @state.setter
     def state(self, v):
-        self.keys, self.values = v
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
 
     def empty(self):
         return self.keys is None
-
-    @property
-    def meta_state(self):
-        return tuple(map(str, (self.keep, self.max_size, self.offset, self._idx)))
-
-    @meta_state.setter
-    def meta_state(self, v):
-        self.keep, self.max_size, self.offset, self._idx = map(int, v)
 
     def is_trimmable(self):
         return self.offset < self.max_size
