@@ -286,3 +286,25 @@ def test_peak_extra_memory_is_per_tensor_not_per_cache(tmp_path):
     assert snap.caches[7].offset == 1000
     assert save_extra < 3 * tensor < total / 4
     assert load_extra < 3 * tensor
+
+
+def test_slots_of_the_wrong_rank_are_refused(saved):
+    """Consistent but rank-2 shapes in both headers: a clear error, not an IndexError."""
+    import struct
+
+    from mlxkv.codecs.safetensors_io import crc32_hex
+
+    path = saved[0]
+    doc, body = read_raw(path)
+    header = json.loads(doc["__metadata__"]["mlxkv"])
+    for t in header["caches"][0]["tensors"]:
+        B, H, T, D = t["shape"]
+        t["shape"] = doc[t["name"]]["shape"] = [B * H * T, D]
+    text = json.dumps(header, separators=(",", ":"))
+    doc["__metadata__"] = {"mlxkv": text, "mlxkv.crc32": crc32_hex(text.encode())}
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + body)
+    with pytest.raises(mlxkv.CorruptSnapshotError, match=r"expected \[B, H, T, X\]"):
+        mlxkv.load(path)

@@ -68,7 +68,12 @@ def expect_slots(entry: dict, shapes: Dict[str, Sequence[int]], names: Sequence[
 
 
 def same_prefix(entry: dict, shapes: Dict[str, Sequence[int]], names: Sequence[str], axes: int = 3):
-    """The named slots agree on their first ``axes`` dimensions (B, H, T)."""
+    """The named slots are [B, H, T, X] and agree on their first ``axes`` dimensions."""
+    for n in names:
+        if len(shapes[n]) != 4:
+            raise CorruptSnapshotError(
+                f"{entry.get('kind')} entry: slot {n} has shape {list(shapes[n])}; expected [B, H, T, X]"
+            )
     first = tuple(shapes[names[0]][:axes])
     for n in names[1:]:
         if tuple(shapes[n][:axes]) != first:

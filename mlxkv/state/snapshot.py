@@ -183,7 +183,7 @@ def _parse(st: SafetensorsHeader) -> dict:
     if provider not in ACCEPTED_PROVIDERS:
         raise SnapshotError(f"{path}: codec provider {provider!r} is not one of {ACCEPTED_PROVIDERS}")
     tokens = header.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise CorruptSnapshotError(f"{path}: tokens must be a list of integers")
     entries = header.get("caches")
     if not isinstance(entries, list) or not entries:
