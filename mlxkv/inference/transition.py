@@ -75,6 +75,18 @@ class Bf16FirstCache(CacheContract):
     def make_mask(self, *args, **kwargs):
         return self.inner.make_mask(*args, **kwargs)
 
+    # named reads are the held storage's own (a TurboQuant cache may read deferred)
+    def append_decode(self, keys, values, **kwargs):
+        self._maybe_convert()
+        return self.inner.append_decode(keys, values, **kwargs)
+
+    def append_window(self, keys, values, **kwargs):
+        self._maybe_convert()
+        return self.inner.append_window(keys, values, **kwargs)
+
+    def read_block(self, keys, values, **kwargs):
+        return self.inner.read_block(keys, values, **kwargs)
+
     def is_trimmable(self):
         return self.inner.is_trimmable()
 

@@ -1,0 +1,259 @@
+"""TurboQuant: codec throughput, decode-step time against bf16, bytes per token, logit KL.
+
+Measured in one run, side by side:
+  1. encode and decode throughput of the codec for every (kBits, vBits) on [1, H, T, D]
+     bf16 keys and values (tokens/s; MB/s counts the bf16 K+V bytes encoded or decoded;
+     best of the repeats);
+  2. one decode step of one attention layer (append one position + attention over the
+     window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read,
+     the deferred read and the compiled-decode concat slot; repeats are interleaved and the
+     medians compared as ratios to bf16. The cache is trimmed back after every step so each
+     repeat sees the same context;
+  3. stored bytes per token and kv head, against bf16's 4*D;
+  4. the KL divergence KL(bf16 || turbo) of the next-token distributions on the seeded
+     models (bf16-first schemes ``turbo-k<k>v<v>``: prefill attended in bf16, then teacher-forced
+     decode steps reading the TurboQuant storage). The seeded models have random weights: the
+     numbers rank the configurations, they do not predict a trained model's quality.
+
+Usage: python benchmarks/turboquant.py [--heads 8 --q-heads 32 --dim 128 --contexts 1024 4096 16384
+                                        --repeats 5 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import mlx.core as mx  # noqa: E402
+
+from mlxkv import KVCache, TurboQuantKVCache  # noqa: E402
+from mlxkv.codecs import turboquant_math as tq  # noqa: E402
+from mlxkv.inference.schemes import make_cache  # noqa: E402
+from mlxkv.seeded import build_model, prompt  # noqa: E402
+
+PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]
+STEP_PAIRS = [(8, 3), (4, 2)]
+
+
+def normal(shape, seed, dtype=mx.bfloat16):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def best_time(fn, repeats):
+    """Fastest of ``repeats`` runs after a warm-up: throughput with the least interference
+    from other processes on a shared machine."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+# -- 1. codec throughput --------------------------------------------------------------------
+
+
+def codec_throughput(heads, dim, tokens, repeats):
+    k, v = normal((1, heads, tokens, dim), 1), normal((1, heads, tokens, dim), 2)
+    mx.eval(k, v)
+    mb = 2 * k.nbytes / 1e6  # bf16 K + V
+    rows = []
+    for kb, vb in PAIRS:
+        stored = tq.encode(k, v, kb, vb)
+        mx.eval(stored)
+        enc = best_time(lambda: mx.eval(tq.encode(k, v, kb, vb)), repeats)
+        dec = best_time(lambda: mx.eval(tq.decode(stored, kb, vb)), repeats)
+        rows.append({
+            "kBits": kb, "vBits": vb,
+            "encode_tokens_per_s": tokens / enc, "encode_MB_per_s": mb / enc,
+            "decode_tokens_per_s": tokens / dec, "decode_MB_per_s": mb / dec,
+        })
+    return {"heads": heads, "head_dim": dim, "tokens": tokens, "rows": rows}
+
+
+# -- 2. decode step against bf16 ----------------------------------------------------------
+
+
+def step_contenders(heads, q_heads, dim, context, kb, vb):
+    k, v = normal((1, heads, context, dim), 3), normal((1, heads, context, dim), 4)
+    k1, v1 = normal((1, heads, 1, dim), 5), normal((1, heads, 1, dim), 6)
+    q = normal((1, q_heads, 1, dim), 7)
+    scale = dim**-0.5
+
+    plain = KVCache()
+    plain.update_and_fetch(k, v)
+    src = KVCache()
+    src.update_and_fetch(k, v)
+    eager = TurboQuantKVCache.from_cache(src, kb, vb)
+    src = KVCache()
+    src.update_and_fetch(k, v)
+    deferred = TurboQuantKVCache.from_cache(src, kb, vb, deferred=True)
+    src = KVCache()
+    src.update_and_fetch(k, v)
+    slotted = TurboQuantKVCache.from_cache(src, kb, vb)
+    mx.eval(plain.keys, eager.storage, deferred.storage, slotted.storage)
+
+    def bf16_step():
+        kk, vv = plain.update_and_fetch(k1, v1)
+        mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=None))
+        plain.trim(1)
+
+    def eager_step():
+        mx.eval(eager.append_decode(k1, v1).attend(q, scale))
+        eager.trim(1)
+
+    def deferred_step():
+        mx.eval(deferred.append_decode(k1, v1).attend(q, scale))
+        deferred.trim(1)
+
+    compiled = {}
+
+    def slot_step():
+        slot = slotted.prepare_decode_step()
+        fn = compiled.setdefault("fn", mx.compile(
+            lambda pk, pv, qq, kk, vv: _attend(slot.step, pk, pv, qq, kk, vv, scale)))
+        out, codes = fn(slot.prefix_keys, slot.prefix_values, q, k1, v1)
+        mx.eval(out, slotted.commit_decode_step(codes))
+        slotted.trim(1)
+
+    return {"bf16": bf16_step, "eager": eager_step, "deferred": deferred_step, "slot": slot_step}
+
+
+def _attend(step, pk, pv, q, k1, v1, scale):
+    kw, vw, codes = step(pk, pv, k1, v1)
+    return mx.fast.scaled_dot_product_attention(q, kw, vw, scale=scale, mask=None), codes
+
+
+def decode_steps(heads, q_heads, dim, contexts, repeats):
+    rows = []
+    for context in contexts:
+        for kb, vb in STEP_PAIRS:
+            fns = step_contenders(heads, q_heads, dim, context, kb, vb)
+            for fn in fns.values():
+                fn()  # warm-up
+            times = {name: [] for name in fns}
+            for _ in range(repeats):  # interleaved
+                for name, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            rows.append({
+                "context": context, "kBits": kb, "vBits": vb,
+                **{f"{n}_ms": m for n, m in med.items()},
+                **{f"{n}_vs_bf16": med[n] / med["bf16"] for n in ("eager", "deferred", "slot")},
+            })
+    return {"heads": heads, "q_heads": q_heads, "head_dim": dim, "rows": rows}
+
+
+# -- 3. bytes per token ---------------------------------------------------------------------
+
+
+def bytes_table(dims=(64, 128)):
+    return [
+        {"head_dim": d, "kBits": kb, "vBits": vb, "bytes_per_token_per_head": tq.bytes_per_head(d, kb, vb),
+         "bf16_bytes": 4 * d, "ratio_to_bf16": tq.bytes_per_head(d, kb, vb) / (4 * d)}
+        for d in dims for kb, vb in PAIRS
+    ]
+
+
+# -- 4. logit KL on the seeded models ------------------------------------------------------
+
+
+def kl_rows(prefill, steps):
+    rows = []
+    for arch in ("llama", "gemma3"):
+        model = build_model(arch)
+        tokens = prompt(prefill + steps, seed=11)
+
+        def trace(scheme):
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                caches = make_cache(model, scheme)
+            model(mx.array(tokens[:prefill])[None], cache=caches)
+            out = []
+            for t in tokens[prefill:]:
+                logits = model(mx.array([[t]]), cache=caches)[0, -1].astype(mx.float32)
+                out.append(logits - mx.logsumexp(logits))
+            mx.eval(out)
+            return mx.stack(out)
+
+        ref = trace("bf16")
+        p = mx.exp(ref)
+        for kb, vb in PAIRS:
+            lq = trace(f"turbo-k{kb}v{vb}")
+            kl = mx.sum(p * (ref - lq), axis=-1)
+            rows.append({"model": arch, "kBits": kb, "vBits": vb,
+                         "kl_mean": mx.mean(kl).item(), "kl_max": mx.max(kl).item()})
+    return {"prefill": prefill, "steps": steps, "rows": rows}
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def print_tables(res):
+    print(f"\nCodec throughput ([1, {res['codec']['heads']}, {res['codec']['tokens']}, "
+          f"{res['codec']['head_dim']}] bf16 K+V)")
+    print(f"{'k/v':>5} {'enc tok/s':>11} {'enc MB/s':>9} {'dec tok/s':>11} {'dec MB/s':>9}")
+    for r in res["codec"]["rows"]:
+        print(f"{r['kBits']}/{r['vBits']:<3} {r['encode_tokens_per_s']:11.0f} {r['encode_MB_per_s']:9.1f} "
+              f"{r['decode_tokens_per_s']:11.0f} {r['decode_MB_per_s']:9.1f}")
+    s = res["decode_step"]
+    print(f"\nDecode step, one layer ({s['heads']} kv heads, {s['q_heads']} q heads, D={s['head_dim']}), median ms")
+    print(f"{'ctx':>6} {'k/v':>5} {'bf16':>8} {'eager':>8} {'deferred':>9} {'slot':>8} {'eager/bf16':>11} "
+          f"{'defer/bf16':>11} {'slot/bf16':>10}")
+    for r in s["rows"]:
+        print(f"{r['context']:>6} {r['kBits']}/{r['vBits']:<3} {r['bf16_ms']:8.2f} {r['eager_ms']:8.2f} "
+              f"{r['deferred_ms']:9.2f} {r['slot_ms']:8.2f} {r['eager_vs_bf16']:11.2f} "
+              f"{r['deferred_vs_bf16']:11.2f} {r['slot_vs_bf16']:10.2f}")
+    print("\nBytes per token and kv head (D=128; bf16 = 512)")
+    print("  " + "  ".join(f"k{r['kBits']}v{r['vBits']}={r['bytes_per_token_per_head']}"
+                           for r in res["bytes_per_token"] if r["head_dim"] == 128))
+    k = res["kl"]
+    print(f"\nKL(bf16 || turbo) per decode step, seeded models ({k['prefill']} prefill, {k['steps']} steps)")
+    print(f"{'k/v':>5} {'llama mean':>11} {'llama max':>10} {'gemma3 mean':>12} {'gemma3 max':>11}")
+    by = {(r["model"], r["kBits"], r["vBits"]): r for r in k["rows"]}
+    for kb, vb in PAIRS:
+        a, b = by[("llama", kb, vb)], by[("gemma3", kb, vb)]
+        print(f"{kb}/{vb:<3} {a['kl_mean']:11.2e} {a['kl_max']:10.2e} {b['kl_mean']:12.2e} {b['kl_max']:11.2e}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--codec-tokens", type=int, default=2048)
+    ap.add_argument("--kl-prefill", type=int, default=32)
+    ap.add_argument("--kl-steps", type=int, default=32)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "turboquant.json"))
+    a = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    res = {
+        "machine": {"device": str(mx.default_device()), "mlx": mx.__version__, "cpus": os.cpu_count()},
+        "codec": codec_throughput(a.heads, a.dim, a.codec_tokens, a.repeats),
+        "decode_step": decode_steps(a.heads, a.q_heads, a.dim, a.contexts, a.repeats),
+        "bytes_per_token": bytes_table(),
+        "kl": kl_rows(a.kl_prefill, a.kl_steps),
+    }
+    res["seconds"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print_tables(res)
+    print(f"\n{res['seconds']:.0f} s; written {a.out}")
+
+
+if __name__ == "__main__":
+    main()

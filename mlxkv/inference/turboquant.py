@@ -1,0 +1,308 @@
+"""``TurboQuantKVCache`` (``kv:turboquant:<kBits>:<vBits>``): encoded at rest, decoded to read.
+
+Storage is the five arrays of the vLLM-Metal reference encode (``codecs/turboquant_math``):
+``kIdx`` (int8 at kBits 8, else bit-packed uint8), ``kScales``/``kZeros`` (float16 per
+32-group), ``vPacked`` (bit-packed uint8), ``vScales`` (float16 per 32-group), each
+``[B, H, capacity, width]``, grown in 256-row steps. An append encodes only the new tokens.
+
+Reads:
+
+- eager (``update_and_fetch``, and the named reads by default): keys and values decoded;
+  every mlx-lm attention site stays correct, so this is what ``update_and_fetch`` returns;
+- deferred (``deferred=True``, or ``append_decode(k, v, deferred=True)``): values stay in
+  the rotated domain (no inverse Hadamard over the T stored rows) and the read's ``finish``
+  un-rotates the attention output once, O(L d log d) instead of O(T d log d). Valid because
+  attention is linear in V and the rotation is the same for every position and head.
+
+Compiled decode is a concat slot (DESIGN section 6): ``prepare_decode_step()`` decodes the
+stored prefix outside the compiled graph; ``slot.step`` is a pure function (compile it with
+``mx.compile``) that encodes the new position, decodes it from its codes and joins it to the
+prefix; ``commit_decode_step(codes)`` packs and stores the codes after the step. Decoding is
+per position, so the joined window equals the window the ordinary read decodes, bit for bit.
+
+It is deliberately not a ``KVCache`` subclass and has no attribute named ``bits``: mlx-lm
+would otherwise route it to its affine quantized SDPA.
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from ..codecs import turboquant_math as tq
+from ..errors import CacheConfigError, MLXKVError
+from .base import CacheContract
+from .reads import AttentionRead
+
+SLOTS = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
+
+
+def unrotate_output(out: mx.array) -> mx.array:
+    """The deferred read's ``finish``: attention output back from the rotated value domain."""
+    return tq.unrotate(out).astype(out.dtype)
+
+
+@lru_cache(maxsize=None)
+def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Callable:
+    """The pure inside of a compiled decode step (one function object per configuration,
+    so ``mx.compile`` traces it once):
+
+    ``step(prefix_keys, prefix_values, keys, values) -> (keys_window, values_window, codes)``
+
+    ``keys``/``values`` are the new positions ``[B, H, L, D]``; ``codes`` are their unpacked
+    codes ``(kIdx, kScales, kZeros, vIdx, vScales)`` for :meth:`commit_decode_step`.
+    """
+
+    def step(prefix_keys, prefix_values, keys, values):
+        codes = tq.encode_codes(keys, values, k_bits, v_bits)
+        k_new, v_new = tq.decode_codes(codes, v_bits, rotated)
+        k_win = mx.concatenate([prefix_keys, k_new.astype(dtype)], axis=2)
+        v_win = mx.concatenate([prefix_values, v_new.astype(dtype)], axis=2)
+        return k_win, v_win, codes
+
+    return step
+
+
+@dataclass
+class DecodeSlot:
+    """What a compiled decode step needs from the cache, prepared outside the graph."""
+
+    prefix_keys: mx.array  # [B, H, offset, D], decoded
+    prefix_values: mx.array  # decoded, rotated when ``rotated``
+    step: Callable  # decode_step_function(...): pure, compilable
+    rotated: bool
+    finish: Optional[Callable[[mx.array], mx.array]]  # un-rotates the attention output
+
+
+class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
+    step = 256
+
+    def __init__(self, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, head_dim: Optional[int] = None):
+        tq.check_bits(k_bits, v_bits)
+        if head_dim is not None:
+            tq.check_head_dim(head_dim)
+        self.k_bits, self.v_bits = k_bits, v_bits
+        self.deferred = bool(deferred)
+        self.head_dim = head_dim
+        self.offset = 0
+        self.storage = None  # [kIdx, kScales, kZeros, vPacked, vScales], capacity rows each
+        self.dtype = mx.bfloat16  # the dtype dense_window decodes to (the last append's)
+
+    @property
+    def kind(self) -> str:
+        return f"kv:turboquant:{self.k_bits}:{self.v_bits}"
+
+    # -- storage ------------------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        return 0 if self.storage is None else self.storage[0].shape[2]
+
+    def _set_head_dim(self, d: int):
+        if self.head_dim is None:
+            tq.check_head_dim(d)
+            self.head_dim = d
+        elif d != self.head_dim:
+            raise CacheConfigError(f"this TurboQuant cache holds head_dim {self.head_dim}, got {d}")
+
+    def _check_new(self, keys: mx.array, values: mx.array):
+        if keys.ndim != 4 or values.shape != keys.shape:
+            raise CacheConfigError(
+                f"TurboQuant appends keys and values of one shape [B, H, L, D]; got {keys.shape} and {values.shape}"
+            )
+        self._set_head_dim(keys.shape[3])
+        if self.storage is not None and tuple(keys.shape[:2]) != tuple(self.storage[0].shape[:2]):
+            raise CacheConfigError(
+                f"this cache holds [B, H] = {list(self.storage[0].shape[:2])}, got {list(keys.shape[:2])}"
+            )
+
+    def _grow(self, rows: int):
+        """Make room for ``rows`` more positions: capacity in whole 256-row steps."""
+        need = self.offset + rows
+        if need <= self._capacity():
+            return
+        capacity = -(-need // self.step) * self.step
+        grown = []
+        for a in self.storage:
+            live = a[..., : self.offset, :]
+            pad = mx.zeros((*a.shape[:2], capacity - self.offset, a.shape[3]), a.dtype)
+            grown.append(mx.concatenate([live, pad], axis=2))
+        self.storage = grown
+
+    def _write(self, stored):
+        """Store the five packed arrays of L new positions at ``offset``."""
+        rows = stored[0].shape[2]
+        if self.storage is None:
+            B, H = stored[0].shape[:2]
+            self.storage = [mx.zeros((B, H, 0, a.shape[3]), a.dtype) for a in stored]
+        self._grow(rows)
+        prev, self.offset = self.offset, self.offset + rows
+        for a, new in zip(self.storage, stored):
+            a[..., prev : self.offset, :] = new
+        return self.storage
+
+    def _live(self):
+        return [a[..., : self.offset, :] for a in self.storage]
+
+    def _decoded(self, dtype, rotated: bool):
+        k, v = tq.decode(self._live(), self.k_bits, self.v_bits, rotated)
+        return k.astype(dtype), v.astype(dtype)
+
+    # -- mlx-lm drop-in ---------------------------------------------------------------
+
+    def _append(self, keys: mx.array, values: mx.array):
+        self._check_new(keys, values)
+        self.dtype = keys.dtype
+        codes = tq.encode_codes(keys, values, self.k_bits, self.v_bits)
+        self._write(tq.pack_codes(codes, self.k_bits, self.v_bits))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Encode the new positions; return the decoded (eager) window in the input dtype."""
+        self._append(keys, values)
+        return self._decoded(keys.dtype, rotated=False)
+
+    def make_mask(self, N: int, window_size=None, return_array: bool = False):
+        return self.masks.causal(N, self.offset, window_size, return_array)
+
+    @property
+    def state(self):
+        return [] if self.storage is None or self.offset == 0 else self._live()
+
+    @state.setter
+    def state(self, v):
+        if v is None or len(v) == 0:
+            self.storage, self.offset = None, 0
+        else:
+            self.adopt(*v, offset=v[0].shape[2])
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.storage is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions (byte-safe: a group never spans two positions)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.storage is None else sum(a.nbytes for a in self.storage)
+
+    def bytes_per_token(self) -> int:
+        """Per batch row: kv heads times ``D*kBits/8 + D*vBits/8 + 3*(D/32)*2``."""
+        if self.storage is None or self.head_dim is None:
+            return 0
+        return self.storage[0].shape[1] * tq.bytes_per_head(self.head_dim, self.k_bits, self.v_bits)
+
+    def dense_window(self):
+        return None if self.storage is None or self.offset == 0 else self._decoded(self.dtype, rotated=False)
+
+    # -- named reads --------------------------------------------------------------------
+
+    def _read(self, keys, values, mask, deferred):
+        rotated = self.deferred if deferred is None else bool(deferred)
+        self._append(keys, values)
+        k, v = self._decoded(keys.dtype, rotated)
+        return AttentionRead(k, v, mask, None, unrotate_output if rotated else None)
+
+    def append_decode(self, keys: mx.array, values: mx.array, deferred: Optional[bool] = None) -> AttentionRead:
+        if keys.shape[2] != 1:
+            raise MLXKVError(
+                f"append_decode takes one position per row, got L={keys.shape[2]}; "
+                "use append_window for several positions"
+            )
+        return self._read(keys, values, self.make_mask(1), deferred)
+
+    def append_window(self, keys: mx.array, values: mx.array, deferred: Optional[bool] = None) -> AttentionRead:
+        return self._read(keys, values, self.make_mask(keys.shape[2]), deferred)
+
+    # -- compiled decode: the concat slot ---------------------------------------------
+
+    def prepare_decode_step(self, dtype=None, deferred: Optional[bool] = None) -> DecodeSlot:
+        """Decode the stored prefix (outside any compiled graph) for one decode step."""
+        if self.storage is None:
+            raise MLXKVError("a compiled TurboQuant decode step needs a cache that has been prefilled")
+        rotated = self.deferred if deferred is None else bool(deferred)
+        dtype = dtype or self.dtype
+        pk, pv = self._decoded(dtype, rotated)
+        step = decode_step_function(self.k_bits, self.v_bits, rotated, dtype)
+        return DecodeSlot(pk, pv, step, rotated, unrotate_output if rotated else None)
+
+    def commit_decode_step(self, codes):
+        """The write after the step: pack the step's codes and store them at ``offset``.
+        Returns the storage to evaluate with the step."""
+        k_idx = codes[0]
+        self._set_head_dim(k_idx.shape[3])
+        return self._write(tq.pack_codes(codes, self.k_bits, self.v_bits))
+
+    # -- conversion and restore ---------------------------------------------------------
+
+    @classmethod
+    def from_cache(cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = False) -> "TurboQuantKVCache":
+        """Encode a plain cache's live window once; ``offset``, ``minimum_reusable_offset``
+        and ``masks`` carry over and the source is consumed (its arrays are released)."""
+        if getattr(source, "kind", None) != "kv:plain":
+            raise CacheConfigError(
+                f"TurboQuantKVCache.from_cache converts a kv:plain cache, got {getattr(source, 'kind', None)!r}"
+            )
+        out = cls(k_bits, v_bits, deferred)
+        out.masks = source.masks
+        out.minimum_reusable_offset = source.minimum_reusable_offset
+        n = source.offset
+        if source.keys is not None and n > 0:
+            k, v = source.keys[..., :n, :], source.values[..., :n, :]
+            out._check_new(k, v)
+            out.dtype = k.dtype
+            out.storage = list(tq.encode(k, v, k_bits, v_bits))
+        out.offset = n
+        source.keys = source.values = None
+        source.offset = 0
+        return out
+
+    def adopt(self, k_idx, k_scales, k_zeros, v_packed, v_scales, offset: int):
+        """Restore from the five stored arrays holding exactly ``offset`` positions (takes
+        ownership of them)."""
+        stored = [k_idx, k_scales, k_zeros, v_packed, v_scales]
+        self._set_head_dim(k_scales.shape[3] * tq.GROUP)
+        d = self.head_dim
+        want = (tq.key_width(d, self.k_bits), d // tq.GROUP, d // tq.GROUP,
+                tq.value_width(d, self.v_bits), d // tq.GROUP)
+        if any(a.ndim != 4 or a.shape[:3] != k_idx.shape[:3] or a.shape[3] != w for a, w in zip(stored, want)):
+            raise CacheConfigError(
+                f"TurboQuant k{self.k_bits}v{self.v_bits} head_dim {d} stores widths {list(want)}; got shapes "
+                f"{[list(a.shape) for a in stored]}"
+            )
+        if k_idx.shape[2] < offset:
+            raise CacheConfigError(f"the arrays hold {k_idx.shape[2]} positions, fewer than offset {offset}")
+        self.storage, self.offset = stored, offset
+        return self
+
+
+def turbo_scheme(m, opts):
+    """``turbo-k<k>v<v>`` and ``turbo-k<k>v<v>-start<N>``: bf16-first TurboQuant (start 0 if absent)."""
+    from .schemes import Scheme  # late: schemes imports this module's scheme entry
+    from .transition import Bf16FirstCache, PendingConversion
+
+    k_bits, v_bits, start = int(m["k"]), int(m["v"]), int(m["start"] or 0)
+    tq.check_bits(k_bits, v_bits)  # now, not at the conversion
+
+    def build(i, o):
+        deferred = bool(o.get("deferred", False))
+        pending = PendingConversion(
+            f"turbo-k{k_bits}v{v_bits}",
+            start,
+            lambda c: TurboQuantKVCache.from_cache(c, k_bits, v_bits, deferred),
+        )
+        return Bf16FirstCache(pending)
+
+    return Scheme(m.string, build, True)
+
+
+TURBO_SCHEME = r"turbo-k(?P<k>\d+)v(?P<v>\d+)(?:-start(?P<start>\d+))?"

@@ -1,0 +1,330 @@
+"""TurboQuantKVCache: storage, reads (eager and deferred), conversion, compiled-decode slot."""
+
+import warnings
+
+import mlx.core as mx
+import mlx_lm
+import mlx_lm.models.gemma3_text
+import mlx_lm.models.llama
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as mlx_cache
+
+import mlxkv
+from mlxkv import CacheConfigError, TurboQuantKVCache
+from mlxkv.codecs import turboquant_math as tq
+from mlxkv.inference.base import row_bytes
+from mlxkv.inference.masks import ForwardMasks
+from mlxkv.inference.schemes import make_cache
+from mlxkv.seeded import prompt, tokenizer
+
+from conftest import greedy, run
+
+
+def kv(L, d=64, H=2, seed=0, dtype=mx.float32):
+    k = mx.random.normal((1, H, L, d), key=mx.random.key(seed)) * 2 + 0.5
+    v = mx.random.normal((1, H, L, d), key=mx.random.key(seed + 1000))
+    return k.astype(dtype), v.astype(dtype)
+
+
+def stored_equal(a, b):
+    return all(mx.array_equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+# -- identity and construction ----------------------------------------------------------
+
+
+def test_kind_no_bits_and_not_a_plain_cache():
+    c = TurboQuantKVCache(8, 3)
+    assert c.kind == "kv:turboquant:8:3" and mlxkv.is_turboquant_cache(c)
+    assert not hasattr(c, "bits") and not isinstance(c, mlx_cache.KVCache)
+    c.update_and_fetch(*kv(3))
+    assert not hasattr(c, "bits")
+    assert TurboQuantKVCache(2, 5).kind == "kv:turboquant:2:5"
+
+
+def test_bad_configurations_raise_before_anything_is_stored():
+    with pytest.raises(CacheConfigError, match=r"kBits must be one of \(2, 4, 5, 8\)"):
+        TurboQuantKVCache(3, 3)
+    with pytest.raises(CacheConfigError, match=r"vBits must be one of \(2, 3, 4, 5, 8\)"):
+        TurboQuantKVCache(8, 7)
+    with pytest.raises(CacheConfigError, match="head_dim in"):
+        TurboQuantKVCache(8, 3, head_dim=80)
+    c = TurboQuantKVCache(8, 3)
+    with pytest.raises(CacheConfigError, match=r"head_dim in \(64, 128, 256, 512\)"):
+        c.update_and_fetch(*kv(2, d=96))
+    assert c.storage is None and c.offset == 0
+    with pytest.raises(mlxkv.SchemeError, match="unknown cache scheme"):
+        make_cache(None, "turbo-k8")
+    with pytest.raises(CacheConfigError, match="kBits"):
+        make_cache(None, "turbo-k3v3")
+
+
+# -- storage ----------------------------------------------------------------------------
+
+
+def test_appends_encode_only_the_new_tokens(monkeypatch):
+    seen = []
+    real = tq.encode_codes
+    monkeypatch.setattr(tq, "encode_codes", lambda k, v, a, b: seen.append(k.shape[2]) or real(k, v, a, b))
+    k, v = kv(13)
+    c = TurboQuantKVCache(4, 2)
+    c.update_and_fetch(k[:, :, :8], v[:, :, :8])
+    before = [mx.array(a) for a in c.state]
+    c.update_and_fetch(k[:, :, 8:12], v[:, :, 8:12])
+    c.update_and_fetch(k[:, :, 12:], v[:, :, 12:])
+    assert seen == [8, 4, 1]
+    assert stored_equal([a[..., :8, :] for a in c.state], before)  # earlier rows untouched
+    assert stored_equal(c.state, tq.encode(k, v, 4, 2))  # per-position codes: chunking is invisible
+
+
+def test_storage_grows_in_256_row_steps_and_state_is_sliced_to_offset():
+    c = TurboQuantKVCache(5, 3)
+    c.update_and_fetch(*kv(1, d=128))
+    assert c.storage[0].shape[2] == 256
+    c.update_and_fetch(*kv(255, d=128, seed=1))
+    assert c.offset == 256 and c.storage[0].shape[2] == 256
+    c.update_and_fetch(*kv(300, d=128, seed=2))
+    assert c.offset == 556 and c.storage[0].shape[2] == 768
+    st = c.state
+    assert [a.shape for a in st] == [(1, 2, 556, 80), (1, 2, 556, 4), (1, 2, 556, 4), (1, 2, 556, 48), (1, 2, 556, 4)]
+    assert [a.dtype for a in st] == [mx.uint8, mx.float16, mx.float16, mx.uint8, mx.float16]
+    assert c.nbytes == sum(a.nbytes for a in c.storage)
+    assert TurboQuantKVCache(8, 3).state == []
+    k8 = TurboQuantKVCache(8, 8)
+    k8.update_and_fetch(*kv(2))
+    assert k8.state[0].dtype == mx.int8 and k8.state[0].shape[-1] == 64 and k8.state[3].shape[-1] == 64
+
+
+def test_trim_is_always_allowed_and_byte_safe():
+    k, v = kv(20)
+    c = TurboQuantKVCache(8, 3)
+    c.update_and_fetch(k, v)
+    assert c.is_trimmable() and c.trim(7) == 7 and c.offset == 13
+    k2, v2 = kv(4, seed=9)
+    c.update_and_fetch(k2, v2)
+    ref = TurboQuantKVCache(8, 3)
+    ref.update_and_fetch(mx.concatenate([k[:, :, :13], k2], 2), mx.concatenate([v[:, :, :13], v2], 2))
+    assert stored_equal(c.state, ref.state)
+    assert c.trim(100) == 17 and c.offset == 0 and c.is_trimmable()
+
+
+@pytest.mark.parametrize("kb", tq.K_BITS)
+@pytest.mark.parametrize("vb", tq.V_BITS)
+def test_bytes_per_token_is_what_the_storage_holds(kb, vb):
+    c = TurboQuantKVCache(kb, vb)
+    assert c.bytes_per_token() == 0
+    c.update_and_fetch(*kv(3, d=128, H=4))
+    per_head = 128 * kb // 8 + 128 * vb // 8 + 3 * (128 // 32) * 2
+    assert c.bytes_per_token() == 4 * per_head == row_bytes(*c.state)
+    if (kb, vb) == (8, 3):
+        assert per_head == 200
+
+
+def test_make_mask_is_the_shared_causal_mask():
+    c = TurboQuantKVCache(8, 3)
+    c.masks = shared = ForwardMasks()
+    c.update_and_fetch(*kv(5))
+    assert c.make_mask(1) is None and c.make_mask(4) == "causal"
+    m = c.make_mask(4, return_array=True)
+    assert m is shared.causal(4, 5, None, True)
+    assert mx.array_equal(m, mx.tril(mx.ones((4, 9), mx.bool_), k=5))
+
+
+def test_update_and_fetch_returns_the_decoded_window_in_the_input_dtype():
+    k, v = kv(6, dtype=mx.bfloat16)
+    c = TurboQuantKVCache(4, 4)
+    dk, dv = c.update_and_fetch(k, v)
+    assert dk.dtype == dv.dtype == mx.bfloat16 and dk.shape == k.shape
+    ek, ev = tq.decode(tq.encode(k, v, 4, 4), 4, 4)
+    assert mx.array_equal(dk, ek.astype(mx.bfloat16)) and mx.array_equal(dv, ev.astype(mx.bfloat16))
+    sk, sv = c.dense_window()
+    assert mx.array_equal(sk, dk) and mx.array_equal(sv, dv)
+
+
+# -- reads ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (5, 8)])
+def test_deferred_read_agrees_with_the_eager_read(kb, vb):
+    k, v = kv(24, d=128)
+    q = mx.random.normal((1, 4, 24, 128), key=mx.random.key(7))
+    eager, deferred = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, deferred=True)
+    ra, rb = eager.append_window(k, v), deferred.append_window(k, v)
+    assert ra.finish is None and rb.finish is not None
+    assert not mx.allclose(rb.values, ra.values, atol=1e-2).item()  # the values really stay rotated
+    a, b = ra.attend(q, 128**-0.5), rb.attend(q, 128**-0.5)
+    assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item()
+    k1, v1 = kv(1, d=128, seed=3)
+    q1 = q[:, :, :1]
+    a1 = eager.append_decode(k1, v1).attend(q1, 0.1)
+    b1 = deferred.append_decode(k1, v1).attend(q1, 0.1)
+    c1 = eager.append_decode(k1, v1, deferred=True)  # per-call choice on an eager cache
+    assert c1.finish is not None and eager.offset == 26
+    assert mx.allclose(a1, b1, atol=1e-5).item()
+    with pytest.raises(mlxkv.MLXKVError, match="one position"):
+        eager.append_decode(k, v)
+
+
+class NamedReadSite:
+    """An attention site that knows the named reads (a serving graph): the model's append
+    becomes ``append_window``/``append_decode`` and its attention call attends through that
+    read, which un-rotates a deferred read's output."""
+
+    def __init__(self, cache):
+        self.cache, self.read = cache, None
+
+    def update_and_fetch(self, keys, values):
+        name = "append_decode" if keys.shape[2] == 1 else "append_window"
+        self.read = getattr(self.cache, name)(keys, values)
+        return self.read.keys, self.read.values
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+@pytest.fixture
+def named_read_sites(monkeypatch):
+    for module in (mlx_lm.models.llama, mlx_lm.models.gemma3_text):
+        real = module.scaled_dot_product_attention
+
+        def sdpa(q, k, v, cache, scale, mask, sinks=None, real=real):
+            if isinstance(cache, NamedReadSite):
+                return cache.read.attend(q, scale)
+            return real(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+        monkeypatch.setattr(module, "scaled_dot_product_attention", sdpa)
+
+
+def turbo_caches(model, kb, vb, deferred):
+    """The model's layout with TurboQuant (from token zero) on the full-attention layers."""
+    caches = make_cache(model, "bf16")
+    out = []
+    for c in caches:
+        if c.kind == "kv:plain":
+            t = TurboQuantKVCache(kb, vb, deferred=deferred)
+            t.masks = c.masks
+            c = NamedReadSite(t) if deferred else t
+        out.append(c)
+    return out
+
+
+def logprob_trace(model, caches, tokens, n):
+    steps = generate_step(mx.array(tokens), model, max_tokens=n, prompt_cache=caches)
+    return [(int(t), lp) for t, lp in steps]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eager_and_deferred_run_inside_mlx_lm_generate(models, named_read_sites, arch):
+    model, tok = models(arch), tokenizer()
+    eager, deferred = turbo_caches(model, 4, 3, False), turbo_caches(model, 4, 3, True)
+    p = prompt(24, seed=4)
+    a, b = logprob_trace(model, eager, p, 5), logprob_trace(model, deferred, p, 5)
+    assert len(a) == len(b) == 5
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert ta == tb and mx.allclose(la, lb, atol=0.25).item()  # bf16: V rounded in another basis
+    assert mx.abs(a[0][1] - b[0][1]).max().item() > 0  # the deferred path really ran
+    full = [c for c in deferred if isinstance(c, NamedReadSite)]
+    assert full and all(c.read.finish is not None and c.offset == 29 for c in full)
+    for caches in (eager, deferred):
+        text = mlx_lm.generate(model, tok, prompt(10, seed=5), max_tokens=4, prompt_cache=caches)
+        assert isinstance(text, str) and all(c.offset >= 39 for c in caches)
+
+
+def test_gemma3_sliding_layers_stay_rotating_bf16_with_one_warning(models):
+    model, tok = models("gemma3"), tokenizer()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        caches = make_cache(model, "turbo-k8v3")
+    assert sum("sliding-window layers stay" in str(x.message) for x in w) == 1
+    text = mlx_lm.generate(model, tok, prompt(40), max_tokens=4, prompt_cache=caches)
+    assert isinstance(text, str)
+    assert [c.kind for c in caches] == ["kv:rotating-plain", "kv:turboquant:8:3"] * 2
+    assert caches[1].offset >= 41
+
+
+# -- conversion -------------------------------------------------------------------------
+
+
+def test_from_cache_encodes_the_live_window_once_and_consumes_the_source():
+    plain = mlxkv.KVCache()
+    k, v = kv(10, dtype=mx.bfloat16)
+    plain.update_and_fetch(k, v)
+    plain.minimum_reusable_offset = 4
+    plain.masks = shared = ForwardMasks()
+    c = TurboQuantKVCache.from_cache(plain, 4, 5)
+    assert c.offset == 10 and c.minimum_reusable_offset == 4 and c.masks is shared
+    assert plain.keys is None and plain.values is None and plain.offset == 0
+    assert stored_equal(c.state, tq.encode(k, v, 4, 5)) and c.kind == "kv:turboquant:4:5"
+    empty = TurboQuantKVCache.from_cache(mlxkv.KVCache(), 8, 3)
+    assert empty.offset == 0 and empty.state == []
+    with pytest.raises(CacheConfigError, match="kv:plain"):
+        TurboQuantKVCache.from_cache(mlxkv.RotatingKVCache(8), 8, 3)
+
+
+def test_bf16_first_turbo_converts_after_the_first_append(models):
+    model = models("llama")
+    caches, plain = make_cache(model, "turbo-k8v3"), make_cache(model, "bf16")
+    p = prompt(12)
+    assert mx.array_equal(run(model, caches, p), run(model, plain, p))  # attended in bf16
+    assert caches[0].kind == "kv:plain" and caches[0].pending_conversion == {"scheme": "turbo-k8v3", "start": 0}
+    greedy(model, caches, 3, 1)
+    assert caches[0].kind == "kv:turboquant:8:3" and caches[0].pending_conversion is None
+    assert caches[0].minimum_reusable_offset == 0 and caches[0].offset == 13
+    assert not hasattr(caches[0], "bits") and caches[0].bytes_per_token() == 200
+    inner = caches[0].inner
+    greedy(model, caches, 3, 2)
+    assert caches[0].inner is inner  # converted once
+
+
+def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
+    model = models("llama")
+    caches = make_cache(model, "turbo-k4v2-start16")
+    run(model, caches, prompt(10))
+    run(model, caches, prompt(8, seed=2))  # reaches 16: still attended in bf16
+    assert caches[0].kind == "kv:plain" and caches[0].minimum_reusable_offset == 0
+    greedy(model, caches, 3, 1)
+    assert caches[0].kind == "kv:turboquant:4:2"
+    assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 19
+
+
+# -- compiled decode: the concat slot ---------------------------------------------------
+
+
+def prefilled(kb, vb, deferred, n=20, d=128):
+    c = TurboQuantKVCache(kb, vb, deferred=deferred)
+    c.update_and_fetch(*kv(n, d=d, dtype=mx.bfloat16))
+    return c
+
+
+@pytest.mark.parametrize("kb,vb,deferred", [(8, 3, False), (4, 2, True), (2, 5, False), (5, 8, True)])
+def test_compiled_decode_slot_joins_the_window_the_ordinary_read_decodes(kb, vb, deferred):
+    slot_cache, ordinary = prefilled(kb, vb, deferred), prefilled(kb, vb, deferred)
+    compiled = None
+    for step in range(3):
+        k1, v1 = kv(1, d=128, seed=50 + step, dtype=mx.bfloat16)
+        q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(step)).astype(mx.bfloat16)
+        slot = slot_cache.prepare_decode_step()
+        assert slot.rotated == deferred and slot.prefix_keys.shape[2] == slot_cache.offset
+
+        def attend(pk, pv, qq, kk, vv, step_fn=slot.step, finish=slot.finish):
+            kw, vw, codes = step_fn(pk, pv, kk, vv)
+            out = mx.fast.scaled_dot_product_attention(qq, kw, vw, scale=128**-0.5, mask=None)
+            return (finish(out) if finish else out), kw, vw, codes
+
+        compiled = compiled or mx.compile(attend)
+        eager_out = attend(slot.prefix_keys, slot.prefix_values, q, k1, v1)
+        out, kw, vw, codes = compiled(slot.prefix_keys, slot.prefix_values, q, k1, v1)
+        read = ordinary.append_decode(k1, v1)
+        assert mx.array_equal(kw, read.keys) and mx.array_equal(vw, read.values)  # bit for bit
+        assert mx.array_equal(eager_out[1], read.keys) and mx.array_equal(eager_out[2], read.values)
+        assert mx.array_equal(out, read.attend(q, 128**-0.5))
+        stored = slot_cache.commit_decode_step(codes)
+        assert len(stored) == 5 and slot_cache.offset == ordinary.offset
+        assert stored_equal(slot_cache.state, ordinary.state)
+
+
+def test_prepare_decode_step_needs_a_prefilled_cache():
+    with pytest.raises(mlxkv.MLXKVError, match="prefilled"):
+        TurboQuantKVCache(8, 3).prepare_decode_step()
