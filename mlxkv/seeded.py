@@ -8,7 +8,7 @@ import hashlib
 import json
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 VOCAB = 256
 

@@ -5,11 +5,10 @@ import warnings
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
-from mlxkv.inference.schemes import make_cache, parse_scheme
+from mlxkv.inference.schemes import make_cache
 from mlxkv.seeded import prompt, tokenizer
 
 from conftest import greedy, run

@@ -6,7 +6,6 @@ import mlx.core as mx
 import mlx_lm
 import mlx_lm.models.gemma3_text
 import mlx_lm.models.llama
-import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache

@@ -13,7 +13,7 @@ import os
 import struct
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np

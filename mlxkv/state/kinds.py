@@ -11,7 +11,10 @@ from ..codecs.affine import AffineCodec, RotatingAffineCodec
 from ..codecs.arrays import ArraysCodec
 from ..codecs.base import Codec
 from ..codecs.plain import PlainCodec
+from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
+from ..codecs.tova import TOVACodec
+from ..codecs.turboquant import TurboQuantCodec
 from ..errors import UnknownKindError
 
 CODECS: List[Codec] = [
@@ -20,6 +23,9 @@ CODECS: List[Codec] = [
     RingCodec(),
     RotatingAffineCodec(),
     ArraysCodec(),
+    TurboQuantCodec(),
+    TOVACodec(),
+    QFiltersCodec(),
 ]
 
 

@@ -8,7 +8,7 @@ verifies its CRC-32. ``read_header`` is the check without tensor I/O.
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx

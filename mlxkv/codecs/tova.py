@@ -1,0 +1,75 @@
+"""``tova``: TOVA's kept rows with their original positions.
+
+Fields offset, budget, nSink. Slots, in order: ``keys`` [B, H, T, D] and ``values``
+[B, H, T, Dv] in the cache dtype, ``positions`` int32 [B, H, T] (the original position of
+every kept row, ascending per (batch, head)). TOVA holds at most ``budget`` rows after every
+step, so T == min(offset, budget). Restores position-exact.
+"""
+
+from ..errors import CorruptSnapshotError
+from ..inference.tova import TOVAKVCache
+from .base import Codec, expect_slots, require, same_prefix
+
+SLOTS = ("keys", "values", "positions")
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def slot_dtypes(entry: dict) -> dict:
+    """slot -> declared safetensors dtype (the snapshot layer checked them against the file)."""
+    return {t.get("slot"): t.get("dtype") for t in entry.get("tensors", []) if isinstance(t, dict)}
+
+
+def check_rows(entry: dict, shapes: dict, dtypes: dict, scored=()):
+    """keys/values rank 4 with one [B, H, T]; positions (and ``scored`` slots) [B, H, T]."""
+    kind = entry.get("kind")
+    for name in ("keys", "values"):
+        if len(shapes[name]) != 4:
+            raise CorruptSnapshotError(f"{kind} entry: slot {name} must be [B, H, T, D], got {list(shapes[name])}")
+        if dtypes.get(name) not in FLOAT_DTYPES:
+            raise CorruptSnapshotError(f"{kind} entry: slot {name} has dtype {dtypes.get(name)}, not one of {FLOAT_DTYPES}")
+    same_prefix(entry, shapes, ("keys", "values"))
+    for name, dtype in (("positions", "I32"), *scored):
+        if list(shapes[name]) != list(shapes["keys"][:3]):
+            raise CorruptSnapshotError(
+                f"{kind} entry: slot {name} has shape {list(shapes[name])}, expected [B, H, T] = "
+                f"{list(shapes['keys'][:3])}"
+            )
+        if dtypes.get(name) != dtype:
+            raise CorruptSnapshotError(f"{kind} entry: slot {name} must be {dtype}, got {dtypes.get(name)}")
+
+
+def check_budget_fields(entry: dict, *names: str):
+    require(entry, "offset", "budget", "nSink", *names)
+    if entry["offset"] < 0 or entry["budget"] < 1 or entry["nSink"] < 0 or entry["nSink"] >= entry["budget"]:
+        raise CorruptSnapshotError(
+            f"{entry.get('kind')} entry: offset={entry['offset']} budget={entry['budget']} "
+            f"nSink={entry['nSink']} is not a configuration mlxkv writes"
+        )
+
+
+class TOVACodec(Codec):
+    persisted_kind = "tova"
+
+    def handles(self, kind):
+        return kind.startswith("kv:tova:")
+
+    def encode(self, cache):
+        fields = {"offset": cache.offset, "budget": cache.budget, "nSink": cache.n_sink}
+        return fields, [("keys", cache.keys), ("values", cache.values), ("positions", cache.positions)]
+
+    def check(self, entry, shapes):
+        check_budget_fields(entry)
+        expect_slots(entry, shapes, SLOTS)
+        check_rows(entry, shapes, slot_dtypes(entry))
+        rows, offset, budget = shapes["keys"][2], entry["offset"], entry["budget"]
+        if rows != min(offset, budget):
+            raise CorruptSnapshotError(
+                f"tova entry: {rows} kept rows, but TOVA keeps min(offset={offset}, budget={budget})"
+            )
+
+    def decode(self, entry, t):
+        cache = TOVAKVCache(entry["budget"], entry["nSink"])
+        return cache.adopt(t["keys"], t["values"], t["positions"], entry["offset"])
+
+    def geometry(self, entry, shapes):
+        return shapes["keys"][1], shapes["keys"][3]

@@ -1,0 +1,260 @@
+"""``QFiltersKVCache`` (``kv:qfilters:<budget>:<nSink>:<recent>``): projection eviction.
+
+Every key is scored once, at insertion: ``sign * <key, filter>`` in float32 against a frozen
+per-(batch, head) direction. When a block leaves more than ``budget`` rows stored, one top-k
+keeps the ``budget`` highest scores with the first ``n_sink`` rows and the trailing
+``recent`` rows forced in (ties to the lower index); survivors stay in temporal order.
+
+Two filter sources:
+- calibrated (``filters=``, from query SVD, see ``qfilters_calibration.py``): evicts from
+  token 0; since scores never change and the forced rows only ever grow older, the kept set
+  after any sequence of blocks equals one top-k over everything seen: prefill chunking does
+  not change the kept rows, their scores or the offset.
+- key-SVD fallback (no filters): nothing is evicted until ``calib_tokens`` keys were seen;
+  then the filter is estimated from exactly the first ``calib_tokens`` keys (mean-centered,
+  top right singular vector, oriented so the mean key projects non-negatively), frozen, and
+  every stored row is scored. Estimating from exactly those keys (rather than from whatever
+  block crossed the threshold) makes the fallback chunk-invariant as well.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ..errors import CacheConfigError
+from .base import row_bytes
+from .eviction import EvictionKVCache, check_budget, drop_one, gather_rows, is_count
+
+DEFAULT_CALIB_TOKENS = 128
+
+
+def top_right_singular_vectors(x: mx.array) -> mx.array:
+    """v1 of every matrix [..., N, D] -> [..., D] (float32, unit norm, sign as LAPACK gives).
+
+    A tall matrix is first reduced by QR (X = QR, X and R share their right singular
+    vectors) so the SVD never builds an N x N U."""
+    x = x.astype(mx.float32)
+    if x.shape[-2] > x.shape[-1]:
+        _, x = mx.linalg.qr(x, stream=mx.cpu)
+    _, _, vt = mx.linalg.svd(x, stream=mx.cpu)
+    return vt[..., 0, :]
+
+
+def key_svd_filter(keys: mx.array) -> mx.array:
+    """The fallback filter of keys [B, H, C, D] -> float32 [B, H, D], unit norm.
+
+    Mean-centered on purpose (the documented fallback, not the paper's estimator): it finds
+    the axis of largest key variance, whose sign a key alone cannot tell; we orient it so the
+    mean key has a non-negative projection (largest-magnitude component positive on a tie),
+    and ``sign=-1`` is the ablation of that choice."""
+    k = keys.astype(mx.float32)
+    mean = mx.mean(k, axis=2)
+    v = top_right_singular_vectors(k - mean[:, :, None, :])
+    proj = mx.sum(mean * v, axis=-1, keepdims=True)
+    biggest = mx.take_along_axis(v, mx.argmax(mx.abs(v), axis=-1, keepdims=True), axis=-1)
+    flip = mx.where(proj != 0, mx.sign(proj), mx.where(biggest < 0, -1.0, 1.0))
+    return v * flip
+
+
+def projection_scores(keys: mx.array, filt: mx.array, sign: int) -> mx.array:
+    """``sign * <key, filter>`` in float32: keys [B, H, N, D], filter [B or 1, H, D] -> [B, H, N].
+
+    An elementwise product summed over D (not a matmul), so a row's score does not depend on
+    how many rows were scored with it: chunked and one-shot prefill store the same bits."""
+    return sign * mx.sum(keys.astype(mx.float32) * filt[:, :, None, :], axis=-1)
+
+
+def _descending_key(scores: mx.array) -> mx.array:
+    """int64 keys sorting rows by descending score, then ascending index: all distinct, so any
+    sort or partition gives the one documented order (ties to the lower index)."""
+    R = scores.shape[-1]
+    bits = (scores + 0.0).view(mx.int32)  # + 0.0 turns -0.0 into 0.0
+    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)  # monotone in the float
+    return (-ordered) * (1 << 31) + mx.arange(R, dtype=mx.int64)  # rows < 2**31
+
+
+def qfilters_survivors(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
+    """Kept row indices, ascending, int32 [B, H, budget], of rows scored [B, H, R > budget]."""
+    R = scores.shape[-1]
+    rows = mx.arange(R)
+    forced = (rows < n_sink) | (rows >= R - recent)
+    priority = mx.where(forced, mx.inf, scores)
+    if R == budget + 1:  # a decode step: the lowest priority goes, the highest index on a tie
+        return drop_one(priority, lowest_index=False)
+    key = _descending_key(priority)
+    best = mx.argpartition(key, kth=budget - 1, axis=-1)[..., :budget]
+    return mx.sort(best.astype(mx.int32), axis=-1)
+
+
+def _as_filter(filters, what: str) -> mx.array:
+    f = mx.array(filters).astype(mx.float32)
+    if f.ndim == 2:
+        f = f[None]
+    if f.ndim != 3 or f.shape[1] < 1 or f.shape[2] < 1:
+        raise CacheConfigError(
+            f"{what}: filters must be [H_kv, D] (or [B, H_kv, D]); got shape {list(f.shape)}"
+        )
+    norms = mx.linalg.norm(f, axis=-1)
+    if not bool(mx.all(mx.isfinite(f)).item()) or bool(mx.any(norms == 0).item()):
+        raise CacheConfigError(f"{what}: filters must be finite, non-zero directions")
+    return f
+
+
+class QFiltersKVCache(EvictionKVCache):
+    """Q-Filters-adapted projection eviction.
+
+    ``filters``: calibrated per-head directions [H_kv, D] (from query SVD); None uses the
+    key-SVD fallback, frozen after ``calib_tokens`` keys. ``sign`` (+1 or -1) multiplies every
+    score. ``recent`` trailing rows and ``n_sink`` leading rows are never evicted.
+    """
+
+    def __init__(
+        self,
+        budget: int = 512,
+        n_sink: int = 4,
+        recent: int = 0,
+        sign: int = 1,
+        calib_tokens: int = DEFAULT_CALIB_TOKENS,
+        filters=None,
+        n_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+    ):
+        what = "Q-Filters"
+        check_budget(budget, n_sink, what)
+        if not is_count(recent) or recent < 0:
+            raise CacheConfigError(f"{what}: recent must be an integer >= 0, got {recent!r}")
+        if n_sink + recent >= budget:
+            raise CacheConfigError(
+                f"{what}: n_sink + recent = {n_sink + recent} must be below budget={budget}: "
+                "no row would be left to rank by score"
+            )
+        if not is_count(sign) or sign not in (1, -1):
+            raise CacheConfigError(f"{what}: sign must be +1 or -1, got {sign!r}")
+        if not is_count(calib_tokens) or calib_tokens < 2:
+            raise CacheConfigError(f"{what}: calib_tokens must be an integer >= 2, got {calib_tokens!r}")
+        super().__init__(budget, n_sink)
+        self.recent, self.sign, self.calib_tokens = recent, sign, calib_tokens
+        self.scores = None
+        self.filter = None if filters is None else _as_filter(filters, what)
+        self.calibrated = filters is not None
+        if self.filter is not None:
+            for name, want, got in (("kv heads", n_kv_heads, self.filter.shape[1]), ("head_dim", head_dim, self.filter.shape[2])):
+                if want is not None and want != got:
+                    raise CacheConfigError(f"{what}: the filters have {got} {name}, the layer has {want}")
+
+    @property
+    def kind(self) -> str:
+        return f"kv:qfilters:{self.budget}:{self.n_sink}:{self.recent}"
+
+    @property
+    def frozen(self) -> bool:
+        """A filter is in force (calibrated, or the fallback has frozen its estimate)."""
+        return self.filter is not None
+
+    def _check_incoming(self, keys, values):
+        super()._check_incoming(keys, values)
+        f = self.filter
+        if f is not None and (f.shape[1] != keys.shape[1] or f.shape[2] != keys.shape[3] or f.shape[0] not in (1, keys.shape[0])):
+            raise CacheConfigError(
+                f"{self.kind}: filters of shape {list(f.shape)} do not match this layer's keys "
+                f"[B={keys.shape[0]}, H={keys.shape[1]}, D={keys.shape[3]}]: wrong model or layer"
+            )
+
+    def _admit(self, keys, values, positions, n_new: int):
+        B, H, R, _ = keys.shape
+        if self.filter is not None:
+            new = projection_scores(keys[:, :, R - n_new :, :], self.filter, self.sign)
+            scores = new if self.scores is None else mx.concatenate([self.scores, new], axis=2)
+        else:
+            scores = mx.zeros((B, H, R), mx.float32)
+            if self.offset >= self.calib_tokens:  # freeze: nothing was evicted, rows == positions
+                self.filter = key_svd_filter(keys[:, :, : self.calib_tokens, :])
+                scores = projection_scores(keys, self.filter, self.sign)
+        if self.filter is not None and R > self.budget:
+            idx = qfilters_survivors(scores, self.budget, self.n_sink, self.recent)
+            keys, values, positions, scores = (gather_rows(a, idx) for a in (keys, values, positions, scores))
+        self.keys, self.values, self.positions, self.scores = keys, values, positions, scores
+
+    def _trim_rows(self, keep: int):
+        super()._trim_rows(keep)
+        self.scores = None if keep == 0 else self.scores[..., :keep]
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if n and not self.calibrated and self.filter is not None and self.offset < self.calib_tokens:
+            # the keys the filter was estimated from are gone: unfreeze, as if never seen
+            self.filter = None
+            if self.scores is not None:
+                self.scores = mx.zeros_like(self.scores)
+        return n
+
+    @property
+    def state(self):
+        return () if self.keys is None else (self.keys, self.values, self.positions, self.scores)
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.positions, self.scores = v
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state) + (0 if self.filter is None else self.filter.nbytes)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one stored row costs one batch row (keys, values, position, score)."""
+        return 0 if self.keys is None else row_bytes(self.keys, self.values, self.positions, self.scores)
+
+    def batch_filter(self) -> Optional[mx.array]:
+        """The filter in force as [B, H, D] (a calibrated [1, H, D] broadcast over B)."""
+        if self.filter is None or self.keys is None:
+            return self.filter
+        return mx.broadcast_to(self.filter, (self.keys.shape[0], *self.filter.shape[1:]))
+
+    def adopt(self, keys, values, positions, scores, offset: int, filter=None, calibrated: bool = False):
+        """Restore exactly: kept rows, their insertion scores and the filter in force."""
+        self._adopt_rows(keys, values, positions, offset)
+        if scores.shape != keys.shape[:3]:
+            raise CacheConfigError(f"{self.kind}: scores {list(scores.shape)} do not match keys {list(keys.shape)}")
+        self.scores = scores.astype(mx.float32)
+        self.filter = None if filter is None else filter.astype(mx.float32)
+        self.calibrated = bool(calibrated) and filter is not None
+        return self
+
+    def __repr__(self):
+        source = "calibrated" if self.calibrated else ("frozen" if self.frozen else "warming up")
+        return f"QFiltersKVCache(kind={self.kind!r}, offset={self.offset}, rows={self.rows}, filter={source})"
+
+
+QFILTERS_SCHEME = r"qfilters-b(?P<budget>\d+)-s(?P<sink>\d+)-r(?P<recent>\d+)"
+
+
+def _layer_filters(options: dict, layer: int):
+    """The calibrated filter of ``layer`` from ``qfilters_calibration=`` or ``filters=``."""
+    cal = options.get("qfilters_calibration")
+    filters = cal.filters if cal is not None else options.get("filters")
+    if filters is None:
+        return None
+    if isinstance(filters, mx.array) and filters.ndim == 2:  # one filter for every layer
+        return filters
+    if layer >= len(filters) or filters[layer] is None:
+        raise CacheConfigError(
+            f"Q-Filters: the calibration has no filter for layer {layer} ({len(filters)} layers "
+            "given): it was made for another model; recalibrate or load it with model=..."
+        )
+    return filters[layer]
+
+
+def qfilters_scheme(m, options):
+    """``qfilters-b<budget>-s<nSink>-r<recent>``; options ``qfilters_calibration=`` (a
+    ``QFiltersCalibration``) or ``filters=`` (per-layer [H_kv, D]), ``sign=``, ``calib_tokens=``."""
+    from .schemes import Scheme  # late: schemes imports this module for its table
+
+    budget, n_sink, recent = int(m["budget"]), int(m["sink"]), int(m["recent"])
+    sign = options.get("sign", 1)
+    calib = options.get("calib_tokens", DEFAULT_CALIB_TOKENS)
+    QFiltersKVCache(budget, n_sink, recent, sign, calib)  # validate now, not at the first layer
+
+    def build(i, o):
+        return QFiltersKVCache(budget, n_sink, recent, sign, calib, filters=_layer_filters(o, i))
+
+    return Scheme(m.string, build, False)
