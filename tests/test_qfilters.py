@@ -378,3 +378,15 @@ def test_scheme_passes_calibration_sign_and_calib_tokens_per_layer():
     with pytest.raises(CacheConfigError, match="no filter for layer 3"):
         make_cache(model, "qfilters-b64-s4-r16", filters=filters[:3])
     assert mlxkv.is_eviction_cache(caches[0])
+
+
+def test_make_cache_refuses_filters_of_another_head_layout_at_construction():
+    from mlxkv.seeded import build_model
+
+    model = build_model("llama")  # 2 kv heads of 64 dims
+    wrong = [mx.ones((4, 64)) for _ in range(4)]
+    with pytest.raises(mlxkv.CacheConfigError, match="kv heads"):
+        mlxkv.make_cache(model, "qfilters-b16-s2-r2", filters=wrong)
+    with pytest.raises(mlxkv.CacheConfigError, match="head_dim"):
+        mlxkv.make_cache(model, "qfilters-b16-s2-r2", filters=[mx.ones((2, 32)) for _ in range(4)])
+    assert mlxkv.make_cache(model, "qfilters-b16-s2-r2", filters=[mx.ones((2, 64)) for _ in range(4)])

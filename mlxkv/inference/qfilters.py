@@ -255,6 +255,9 @@ def qfilters_scheme(m, options):
     QFiltersKVCache(budget, n_sink, recent, sign, calib)  # validate now, not at the first layer
 
     def build(i, o):
-        return QFiltersKVCache(budget, n_sink, recent, sign, calib, filters=_layer_filters(o, i))
+        return QFiltersKVCache(
+            budget, n_sink, recent, sign, calib, filters=_layer_filters(o, i),
+            n_kv_heads=o.get("n_kv_heads"), head_dim=o.get("head_dim"),
+        )
 
     return Scheme(m.string, build, False)

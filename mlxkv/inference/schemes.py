@@ -17,9 +17,12 @@ from ..errors import SchemeError
 from .arrays import ArraysCache
 from .masks import ForwardMasks
 from .plain import KVCache
+from .qfilters import QFILTERS_SCHEME, qfilters_scheme
 from .quantized import QuantizedKVCache
 from .rotating import RotatingKVCache, RotatingQuantizedKVCache
+from .tova import TOVA_SCHEME, tova_scheme
 from .transition import Bf16FirstCache, PendingConversion
+from .turboquant import TURBO_SCHEME, turbo_scheme
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ def _affine(m, opts):
 SCHEMES: List[tuple] = [
     (r"bf16|fp16|plain", _bf16),
     (r"kv(?P<bits>\d+)(?:-g(?P<group>\d+))?(?:-start(?P<start>\d+))?", _affine),
+    (TURBO_SCHEME, turbo_scheme),
+    (TOVA_SCHEME, tova_scheme),
+    (QFILTERS_SCHEME, qfilters_scheme),
 ]
 
 
@@ -87,6 +93,19 @@ def scheme_for_pending(pending: dict) -> PendingConversion:
     return cache.pending
 
 
+def attention_geometry(model):
+    """(kv heads, head dim) of the model's attention layers, from its config; None if unknown."""
+    cfg = getattr(model, "mlxkv_config", None)
+    if cfg is None:
+        args = getattr(model, "args", None)
+        cfg = dict(vars(args)) if args is not None else {}
+    heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    dim = cfg.get("head_dim")
+    if dim is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return heads, dim
+
+
 def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, **options) -> list:
     """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
 
@@ -101,6 +120,8 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, *
     else:
         template = [mlx_cache.KVCache() for _ in model.layers]
 
+    heads, dim = attention_geometry(model)
+    layer_options = {"n_kv_heads": heads, "head_dim": dim, **options}  # builders check against it
     masks = ForwardMasks()
     caches, warned = [], False
     for i, t in enumerate(template):
@@ -115,7 +136,7 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, *
         elif isinstance(t, mlx_cache.ArraysCache):
             c = ArraysCache(len(t.cache))
         elif isinstance(t, mlx_cache.KVCache):
-            c = parsed.build(i, options) if max_kv_size is None else parsed.ring(max_kv_size, 4)
+            c = parsed.build(i, layer_options) if max_kv_size is None else parsed.ring(max_kv_size, 4)
         else:
             raise SchemeError(
                 f"layer {i}: the model asks for an mlx-lm {type(t).__name__}, which has no "

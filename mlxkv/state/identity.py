@@ -51,12 +51,6 @@ class Geometry:
 
 
 def model_geometry(model) -> Geometry:
-    from ..inference.schemes import make_cache  # state composes inference
+    from ..inference.schemes import attention_geometry, make_cache  # state composes inference
 
-    layers = len(make_cache(model, "bf16"))
-    cfg = _config_of(model)
-    kv = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
-    hd = cfg.get("head_dim")
-    if hd is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        hd = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return Geometry(layers, kv, hd)
+    return Geometry(len(make_cache(model, "bf16")), *attention_geometry(model))
