@@ -8,16 +8,21 @@ from .errors import (
     GeometryMismatchError,
     IdentityMismatchError,
     MLXKVError,
+    RowIndexError,
     SchemeError,
     SnapshotError,
     UnknownKindError,
 )
 from .inference.arrays import ArraysCache
+from .inference.batched import extend, extend_model_rows, extract_model_row, extract_row, filter_model_rows, filter_rows, merge_model_rows, merge_rows  # noqa: E501
 from .inference.plain import KVCache
+from .inference.qfilters import QFiltersKVCache
 from .inference.quantized import QuantizedKVCache
 from .inference.rotating import RotatingKVCache, RotatingQuantizedKVCache
 from .inference.schemes import make_cache
+from .inference.tova import TOVAKVCache
 from .inference.transition import Bf16FirstCache
+from .inference.turboquant import TurboQuantKVCache
 from .state.kinds import (
     is_eviction_cache,
     is_plain_kv_cache,

@@ -31,6 +31,10 @@ class CacheConfigError(MLXKVError):
     """A cache constructed with inconsistent parameters."""
 
 
+class RowIndexError(MLXKVError, IndexError):
+    """A row index outside a batch (an ``IndexError`` too)."""
+
+
 class SnapshotError(MLXKVError):
     """A snapshot file that cannot be written or read as asked."""
 

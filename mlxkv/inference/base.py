@@ -36,6 +36,13 @@ class CacheContract(NamedReads):
         """The stored positions as dense (keys, values), or None when empty."""
         raise NotImplementedError
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching entry point: an mlxkv row layout, never mlx-lm's kind-less one."""
+        from .batched import merge_rows  # the row layouts build on the serial caches
+
+        return merge_rows(caches)
+
     def __repr__(self):
         return f"{type(self).__name__}(kind={self.kind!r}, offset={self.offset})"
 

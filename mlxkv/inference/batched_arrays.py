@@ -1,0 +1,120 @@
+"""``BatchedArraysCache`` (``kv:batched-ssm``): rows of recurrent state (``ssm``).
+
+Recurrent state has no token axis: a row is its state arrays, so rows are stacked on the
+batch axis and need no padding. ``offset`` is the per-row count of tokens the state has
+absorbed.
+"""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+from ..errors import CacheConfigError
+from .arrays import ArraysCache
+from .base import CacheContract
+from .batched_layout import check_row
+
+
+class BatchedArraysCache(CacheContract, mlx_cache.ArraysCache):
+    kind = "kv:batched-ssm"
+
+    def __init__(self, arrays, offsets, min_reuse=None, masks=None):
+        super().__init__(len(arrays))
+        self.cache = list(arrays)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.row_minimum_reusable_offsets = (
+            np.zeros_like(self.offsets) if min_reuse is None else np.asarray(min_reuse, dtype=np.int64)
+        )
+        self._offset_array = None
+        if masks is not None:
+            self.masks = masks
+
+    @property
+    def batch_size(self):
+        return len(self.offsets)
+
+    @property
+    def offset(self) -> mx.array:
+        if self._offset_array is None:
+            self._offset_array = mx.array(self.offsets.astype(np.int32))
+        return self._offset_array
+
+    def _set_offsets(self, offsets):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self._offset_array = None
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return int(self.row_minimum_reusable_offsets.max(initial=0))
+
+    def advance(self, N: int):
+        super().advance(N)
+        self._set_offsets(self.offsets + N)
+
+    def make_mask(self, N: int, **_):
+        if self.left_padding is None and self.lengths is None:
+            return self.masks.get(("batched-ssm", N), lambda: None)
+        return super().make_mask(N)
+
+    def is_trimmable(self):
+        return False
+
+    def trim(self, n):
+        return 0
+
+    def bytes_per_token(self) -> int:
+        return 0
+
+    def dense_window(self):
+        return None
+
+    # -- row surgery ----------------------------------------------------------------------
+    def extend_rows(self, other: "BatchedArraysCache"):
+        if not isinstance(other, BatchedArraysCache) or len(other.cache) != len(self.cache):
+            raise CacheConfigError(
+                f"cannot join {getattr(other, 'kind', type(other).__name__)} rows into a "
+                f"{self.kind} batch of {len(self.cache)} state arrays"
+            )
+        mlx_cache.ArraysCache.extend(self, other)
+        self._set_offsets(np.concatenate([self.offsets, other.offsets]))
+        self.row_minimum_reusable_offsets = np.concatenate(
+            [self.row_minimum_reusable_offsets, other.row_minimum_reusable_offsets]
+        )
+        return self
+
+    def filter_rows(self, keep):
+        keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+        mlx_cache.ArraysCache.filter(self, mx.array(keep.astype(np.int32)))
+        self._set_offsets(self.offsets[keep])
+        self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]
+        return self
+
+    def extract_row(self, i: int) -> ArraysCache:
+        i = check_row(i, self.batch_size)
+        pick = mx.array([i])
+        arrays = [None if a is None else mx.take(a, pick, axis=0) for a in self.cache]
+        row = ArraysCache(len(arrays)).adopt(arrays, int(self.offsets[i]))
+        row.masks = self.masks
+        row.minimum_reusable_offset = int(self.row_minimum_reusable_offsets[i])
+        return row
+
+    # mlx-lm's names for the same surgery (its BatchGenerator calls these)
+    extend, filter, extract = extend_rows, filter_rows, extract_row
+
+
+def merge_arrays_rows(rows) -> BatchedArraysCache:
+    """Stack the rows' state arrays; a row without a state array gets zeros there."""
+    sizes = {len(r.cache) for r in rows}
+    if len(sizes) != 1:
+        raise CacheConfigError(f"ssm rows with different numbers of state arrays cannot share a batch: {sorted(sizes)}")
+    arrays = []
+    for slot in zip(*(r.cache for r in rows)):
+        ref = next((a for a in slot if a is not None), None)
+        if ref is None:
+            arrays.append(None)
+            continue
+        zero = mx.zeros((1, *ref.shape[1:]), ref.dtype)
+        arrays.append(mx.concatenate([zero if a is None else a for a in slot], axis=0))
+    offsets = [int(r.offset) for r in rows]
+    min_reuse = [int(getattr(r, "minimum_reusable_offset", 0)) for r in rows]
+    return BatchedArraysCache(arrays, offsets, min_reuse, rows[0].masks)

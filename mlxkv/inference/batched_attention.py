@@ -1,0 +1,340 @@
+"""``BatchedKVCache``: the batched row layout of the attention caches (plain, affine, ring,
+affine ring, TurboQuant; the eviction caches subclass it in ``batched_eviction``).
+
+Rows are right-aligned and left-padded (see ``batched_layout``). A row format
+(``batched_formats``) says how one serial kind stores its positions: ``read`` a serial
+cache's stored positions in temporal order, ``restore`` a serial cache from them; its
+storage says how positions are encoded. Row surgery moves stored arrays only: nothing is
+decoded and re-encoded.
+
+Every append goes through one plan, computed from host integers, that both ``make_mask``
+(before the append) and ``update_and_fetch`` use: ring eviction (metadata only), then, when
+the buffer is full, one gather that packs the rows and adds slack.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import CacheConfigError
+from .base import CacheContract, row_bytes
+from .batched_layout import (
+    Columns,
+    check_row,
+    evict_oldest,
+    gather_columns,
+    packed_columns,
+    source_columns,
+    stack_left_padded,
+    stored_mask,
+    visibility_mask,
+)
+from .reads import AttentionRead
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cols: Columns  # layout right after the append
+    counts_before: np.ndarray  # stored positions each row attends besides the new ones
+    lo: int  # first column returned
+    pack: Optional[Tuple[Columns, int]]  # (layout to pack from, new capacity) or None
+
+
+class BatchedKVCache(CacheContract):
+    """Rows of one serial attention kind; ``offset`` is the per-row position array.
+
+    ``row_state`` holds per-row extras of a format (arrays indexed by row on axis 0)."""
+
+    step = 256  # slack columns allocated whenever the buffer is (re)packed
+
+    def __init__(self, fmt, keys, values, cols: Columns, offsets, min_reuse, masks=None, row_state=None, dtype=None):
+        self.fmt = fmt
+        self.keys, self.values = keys, values  # tuples of [B, H, cap, X] arrays, or None
+        self.cols = cols
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.row_minimum_reusable_offsets = np.asarray(min_reuse, dtype=np.int64)
+        self.row_state = dict(row_state or {})
+        self.dtype = dtype
+        self._offset_array = None
+        if masks is not None:
+            self.masks = masks
+        st = fmt.storage
+        if st.affine:  # mlx-lm takes its quantized SDPA on hasattr(cache, "bits")
+            self.bits, self.group_size = st.bits, st.group_size
+
+    # -- identity and position ----------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.fmt.batched_kind
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's true position (mlx-lm's models pass it to RoPE as a vector offset)."""
+        if self._offset_array is None:
+            self._offset_array = mx.array(self.offsets.astype(np.int32))
+        return self._offset_array
+
+    def _set_offsets(self, offsets):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self._offset_array = None
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return int(self.row_minimum_reusable_offsets.max(initial=0))
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys[0].shape[2]
+
+    # -- the append plan ----------------------------------------------------------------
+    def _plan(self, N: int) -> _Plan:
+        cols = self.cols
+        if self.fmt.max_size is not None:
+            cols = evict_oldest(cols, self.fmt.keep, self.fmt.max_size - 1)
+        counts = cols.counts
+        pack = None
+        if cols.idx + N > self.capacity:
+            packed = packed_columns(counts)
+            pack = (cols, packed.idx + N + self.step)
+            cols = packed
+        return _Plan(Columns(cols.s, cols.e, cols.w, cols.idx + N), counts, cols.lo, pack)
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **_):
+        window = window_size or self.fmt.max_size
+        key = ("batched", self.fmt.max_size, self.fmt.keep, N, window, self.capacity, self.cols.key())
+
+        def build():
+            p = self._plan(N)
+            return visibility_mask(p.cols, p.counts_before, N, p.lo, window)
+
+        return self.masks.get(key, build)
+
+    def _encode(self, keys: mx.array, values: mx.array):
+        st = self.fmt.storage
+        return st.encode_keys(keys), st.encode_values(values)
+
+    def _after_append(self, N: int):
+        """Hook run after the new positions are stored (eviction policies)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        N = keys.shape[2]
+        self.dtype = keys.dtype
+        k_new, v_new = self._encode(keys, values)
+        p = self._plan(N)
+        if p.pack is not None:
+            src_cols, cap = p.pack
+            rows = np.arange(self.batch_size)
+            src, valid = source_columns(src_cols, rows, cap)
+            st = self.fmt.storage
+            if self.keys is None:
+                full = lambda t, fills: tuple(
+                    mx.full((a.shape[0], a.shape[1], cap, *a.shape[3:]), f, a.dtype) for a, f in zip(t, fills)
+                )
+                self.keys, self.values = full(k_new, st.key_fills), full(v_new, st.value_fills)
+            else:
+                self.keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
+                self.values = gather_columns(self.values, rows, src, valid, st.value_fills)
+        at = p.cols.idx - N
+        for store, new in ((self.keys, k_new), (self.values, v_new)):
+            for a, n in zip(store, new):
+                a[..., at : at + N, :] = n
+        self.cols = p.cols
+        self._set_offsets(self.offsets + N)
+        window = lambda t: tuple(a[..., p.lo : p.cols.idx, :] for a in t)
+        st = self.fmt.storage
+        out = st.fetch_keys(window(self.keys), keys.dtype), st.fetch_values(window(self.values), keys.dtype)
+        self._after_append(N)
+        return out
+
+    # -- contract -----------------------------------------------------------------------
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    def size(self) -> int:
+        return int(self.cols.counts.max(initial=0))
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def bytes_per_token(self) -> int:
+        return 0 if self.keys is None else row_bytes(*self.keys, *self.values)
+
+    def is_trimmable(self) -> bool:
+        """Plain, affine and TurboQuant rows always; ring rows while no row has wrapped."""
+        return self.fmt.max_size is None or bool((self.offsets < self.fmt.max_size).all())
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable() or self.batch_size == 0:
+            return 0
+        n = int(min(n, self.cols.counts.min()))
+        c = self.cols
+        self.cols = Columns(c.s, c.e, c.w, c.idx - n)
+        self._set_offsets(self.offsets - n)
+        return n
+
+    def dense_window(self):
+        """All rows' stored columns, decoded, padding included (``stored_mask`` says which)."""
+        if self.keys is None or not self.cols.counts.any():
+            return None
+        lo, idx, st = self.cols.lo, self.cols.idx, self.fmt.storage
+        cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
+        dtype = self.dtype or mx.bfloat16
+        return st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
+
+    def read_block(self, keys: mx.array, values: mx.array) -> AttentionRead:
+        """Attend each row's stored positions plus the block; padding and gaps stay hidden."""
+        stored = self.dense_window()
+        if stored is None:
+            return AttentionRead(keys, values, None)
+        B, L = keys.shape[0], keys.shape[2]
+        visible = mx.concatenate([stored_mask(self.cols, self.cols.lo), mx.ones((B, L), mx.bool_)], axis=1)
+        sk, sv = stored
+        return AttentionRead(
+            mx.concatenate([sk, keys.astype(sk.dtype)], axis=2),
+            mx.concatenate([sv, values.astype(sv.dtype)], axis=2),
+            visible[:, None, None, :],
+        )
+
+    # -- row surgery ----------------------------------------------------------------------
+    def _compatible(self, other):
+        if type(other) is not type(self) or other.fmt != self.fmt:
+            raise CacheConfigError(
+                f"cannot join a {getattr(other, 'kind', type(other).__name__)} batch "
+                f"({getattr(other, 'fmt', None)}) into a {self.kind} batch ({self.fmt}): "
+                "rows of one batched cache share one kind and one geometry"
+            )
+        if other.keys is not None and self.keys is not None and (
+            self.keys[0].shape[1] != other.keys[0].shape[1] or self.keys[0].dtype != other.keys[0].dtype
+        ):
+            raise CacheConfigError(f"{self.kind}: rows with other head geometry or dtype cannot be joined")
+
+    def extend_rows(self, other: "BatchedKVCache"):
+        """Join ``other``'s rows after ours (in place): the shorter side is left-padded."""
+        self._compatible(other)
+        T = max(self.cols.idx, other.cols.idx)
+        st = self.fmt.storage
+        like = self if self.keys is not None else other
+        sides = []
+        for c in (self, other):
+            d = T - c.cols.idx
+            if like.keys is None:
+                sides.append((None, None, c.cols.shifted(d)))
+            elif c.keys is None:
+                full = lambda t, fills: tuple(
+                    mx.full((c.batch_size, a.shape[1], T, *a.shape[3:]), f, a.dtype) for a, f in zip(t, fills)
+                )
+                sides.append((full(like.keys, st.key_fills), full(like.values, st.value_fills), c.cols.shifted(d)))
+            else:
+                pad = lambda t, fills: tuple(
+                    mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, 0), (0, 0)], constant_values=f)
+                    for a, f in zip(t, fills)
+                )
+                sides.append((pad(c.keys, st.key_fills), pad(c.values, st.value_fills), c.cols.shifted(d)))
+        if like.keys is not None:
+            self.keys = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
+            self.values = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))
+        a, b = sides[0][2], sides[1][2]
+        self.cols = Columns(np.concatenate([a.s, b.s]), np.concatenate([a.e, b.e]), np.concatenate([a.w, b.w]), T)
+        self._set_offsets(np.concatenate([self.offsets, other.offsets]))
+        self.row_minimum_reusable_offsets = np.concatenate(
+            [self.row_minimum_reusable_offsets, other.row_minimum_reusable_offsets]
+        )
+        self.row_state = {k: _concat_rows(v, other.row_state[k]) for k, v in self.row_state.items()}
+        self.dtype = self.dtype or other.dtype
+        return self
+
+    def filter_rows(self, keep):
+        """Keep rows ``keep`` (in that order), packed: padding common to all survivors goes."""
+        keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+        cols = self.cols.take(keep)
+        width = int(cols.counts.max(initial=0))
+        st = self.fmt.storage
+        if self.keys is not None and width > 0:
+            src, valid = source_columns(self.cols, keep, width)
+            self.keys = gather_columns(self.keys, keep, src, valid, st.key_fills)
+            self.values = gather_columns(self.values, keep, src, valid, st.value_fills)
+        else:  # nothing stored in any survivor: the next append reallocates
+            self.keys = self.values = None
+        self.cols = packed_columns(cols.counts)
+        self._set_offsets(self.offsets[keep])
+        self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]
+        self.row_state = {k: _take_rows(v, keep) for k, v in self.row_state.items()}
+        return self
+
+    def extract_row(self, i: int):
+        """Row ``i`` as an owned serial cache of its own kind at its own offset."""
+        i = check_row(i, self.batch_size)
+        rows = np.array([i])
+        count = int(self.cols.counts[i])
+        if self.keys is None or count == 0:
+            k = v = None
+        else:
+            st = self.fmt.storage
+            src, valid = source_columns(self.cols, rows, count)
+            k = gather_columns(self.keys, rows, src, valid, st.key_fills)
+            v = gather_columns(self.values, rows, src, valid, st.value_fills)
+        extras = {name: _take_rows(a, rows) for name, a in self.row_state.items()}
+        row = self.fmt.restore(k, v, int(self.offsets[i]), count, self.dtype, extras)
+        row.masks = self.masks
+        row.minimum_reusable_offset = int(self.row_minimum_reusable_offsets[i])
+        return row
+
+    # mlx-lm's names for the same surgery (its BatchGenerator calls these)
+    extend, filter, extract = extend_rows, filter_rows, extract_row
+
+
+def _concat_rows(a, b):
+    if a is None and b is None:
+        return None
+    return mx.concatenate([a, b], axis=0) if isinstance(a, mx.array) else np.concatenate([a, b], axis=0)
+
+
+def _take_rows(a, rows: np.ndarray):
+    if a is None:
+        return None
+    return mx.take(a, mx.array(rows.astype(np.int32)), axis=0) if isinstance(a, mx.array) else a[rows]
+
+
+def merge_attention_rows(fmt, rows, cls=BatchedKVCache):
+    """One batch from serial caches of ``fmt``'s kind (one gather places every row)."""
+    read = [fmt.read(r) for r in rows]  # (keys tuple, values tuple, count, extras) per row
+    counts = np.array([c for _, _, c, _ in read], dtype=np.int64)
+    offsets = [int(r.offset) for r in rows]
+    min_reuse = [int(getattr(r, "minimum_reusable_offset", 0)) for r in rows]
+    full = [(k, v) for k, v, c, _ in read if c > 0]
+    cols = packed_columns(counts)
+    keys = values = None
+    st = fmt.storage
+    if full:
+        ref = full[0][0][0]
+        for k, _ in full:
+            if k[0].shape[1] != ref.shape[1] or k[0].shape[3:] != ref.shape[3:] or k[0].dtype != ref.dtype:
+                raise CacheConfigError(
+                    f"{fmt.serial_kind} rows with different head geometry or dtype cannot share a batch: "
+                    f"{tuple(ref.shape)} {ref.dtype} vs {tuple(k[0].shape)} {k[0].dtype}"
+                )
+        width = cols.idx + cls.step
+        empty = lambda t: tuple(a[..., :0, :] for a in t)
+        ks = [k if c > 0 else empty(full[0][0]) for k, _, c, _ in read]
+        vs = [v if c > 0 else empty(full[0][1]) for _, v, c, _ in read]
+        keys = stack_left_padded(ks, counts, width, st.key_fills)
+        values = stack_left_padded(vs, counts, width, st.value_fills)
+    row_state = {}
+    for name in read[0][3]:
+        vals = [x[name] for _, _, _, x in read]
+        row_state[name] = mx.concatenate(vals, axis=0) if isinstance(vals[0], mx.array) else np.asarray(vals)
+    dtype = next((d for d in (fmt.dtype_of(r) for r in rows) if d is not None), None)
+    return cls(fmt, keys, values, cols, offsets, min_reuse, rows[0].masks, row_state, dtype)
