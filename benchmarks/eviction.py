@@ -107,7 +107,6 @@ def tova_decode(budget=512, n_sink=4, steps=20):
     start = [(c.keys[0, h], c.values[0, h], c.positions[0, h]) for h in range(H)]
     plain = KVCache()
     plain.update_and_fetch(k[:, :, :budget], v[:, :, :budget])
-    q = rand((B, H * 2, 1, D), 5)
     t_idx = [budget]
 
     def vec_step():

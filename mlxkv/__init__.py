@@ -32,6 +32,8 @@ from .state.kinds import (
     is_rotating_quantized_cache,
     is_turboquant_cache,
 )
+from .state.prompt_cache import convert_prompt_cache, read_prompt_cache
+from .state.session import Sampler, Session
 from .state.snapshot import Snapshot, load, read_header, save, verify
 
 __version__ = "0.1.0"

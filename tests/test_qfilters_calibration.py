@@ -219,10 +219,17 @@ def test_damaged_artifacts_are_refused(tmp_path, llama_cal):
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
-def test_a_calibration_for_fewer_heads_fails_at_the_first_append_not_silently(llama_cal):
+def test_a_calibration_for_another_head_layout_fails_at_construction(llama_cal):
     model, cal = llama_cal
     hybrid = build_model("hybrid")  # 1 kv head per layer; the llama filters have 2
-    caches = make_cache(hybrid, "qfilters-b16-s2-r2", qfilters_calibration=cal)
+    with pytest.raises(CacheConfigError, match="the filters have 2 kv heads, the layer has 1"):
+        make_cache(hybrid, "qfilters-b16-s2-r2", qfilters_calibration=cal)
+
+
+def test_a_cache_built_by_hand_with_foreign_filters_fails_at_the_first_append(llama_cal):
+    model, cal = llama_cal
+    hybrid = build_model("hybrid")
+    caches = make_cache(hybrid, "bf16")
+    caches[1] = QFiltersKVCache(16, 2, 2, filters=cal.filters[1])  # no geometry given
     with pytest.raises(CacheConfigError, match="wrong model or layer"):
         hybrid(mx.array(prompt(8, 1))[None], cache=caches)
-    assert isinstance(caches[1], QFiltersKVCache)

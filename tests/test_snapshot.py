@@ -307,3 +307,12 @@ def test_slots_of_the_wrong_rank_are_refused(saved):
         f.write(struct.pack("<Q", len(raw)) + raw + body)
     with pytest.raises(mlxkv.CorruptSnapshotError, match=r"expected \[B, H, T, X\]"):
         mlxkv.load(path)
+
+
+def test_identity_helpers_hash_the_config_not_the_module(models):
+    from mlxkv.state.identity import config_fingerprint, model_identity
+
+    llama = models("llama")
+    assert config_fingerprint(llama) == config_fingerprint(llama.mlxkv_config)
+    assert config_fingerprint(llama) != config_fingerprint(models("llama", num_hidden_layers=3))
+    assert model_identity(llama) == {"model_id": "seeded/llama@0", "config_fingerprint": config_fingerprint(llama)}

@@ -44,6 +44,11 @@ class Codec:
         """Rebuild the live cache from a checked entry and its tensors."""
         raise NotImplementedError
 
+    def capacity(self, entry: dict):
+        """Rows along the token axis the restored slots should have (slack included), or
+        None to restore them position-exact."""
+        return None
+
     def geometry(self, entry: dict, shapes: Dict[str, Sequence[int]]):
         """(n_kv_heads, head_dim) of the stored keys, or None for state without heads."""
         return None

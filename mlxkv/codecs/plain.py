@@ -26,6 +26,9 @@ class PlainCodec(Codec):
                 f"kv entry: keys hold {shapes['keys'][2]} positions but offset is {entry['offset']}"
             )
 
+    def capacity(self, entry):
+        return KVCache.capacity_for(entry["offset"])
+
     def decode(self, entry, tensors):
         return KVCache().adopt(tensors["keys"], tensors["values"], entry["offset"])
 

@@ -41,6 +41,7 @@ DTYPES = {
     "F32": (mx.float32, np.float32),
 }
 _NAME_OF = {m: name for name, (m, _) in DTYPES.items()}
+_RAW_MX = {name: (mx.uint16 if name == "BF16" else m) for name, (m, _) in DTYPES.items()}
 MAX_HEADER = 64 << 20
 CRC_PLACEHOLDER = "00000000"
 
@@ -229,8 +230,15 @@ class TensorReader:
         finally:
             view.release()
 
-    def read(self, name: str, expected_crc: Optional[str] = None) -> mx.array:
+    def read(self, name: str, expected_crc: Optional[str] = None, rows: Optional[int] = None) -> mx.array:
+        """The tensor ``name``, its CRC-32 checked first when ``expected_crc`` is given.
+
+        ``rows`` (rank-4 tensors only) returns a [B, H, rows, D] array whose first T rows
+        along axis 2 are the tensor and the rest zeros, written in one pass: the slack a
+        growing cache wants, without a second copy of the data.
+        """
         info = self.header.tensors[name]
+        mx_dtype, raw_dtype = DTYPES[info.dtype]
         view = self.raw(name)
         try:
             if expected_crc is not None:
@@ -240,12 +248,20 @@ class TensorReader:
                         f"{self.header.path}: checksum mismatch in tensor {name!r} "
                         f"(stored {expected_crc}, computed {got}): the file is damaged"
                     )
-            arr = mx.array(np.frombuffer(view, dtype=DTYPES[info.dtype][1]))
+            data = np.frombuffer(view, dtype=raw_dtype).reshape(info.shape)
+            if rows is None or len(info.shape) != 4 or rows <= info.shape[2]:
+                arr = mx.array(data)
+            else:
+                B, H, T, D = info.shape
+                arr = mx.zeros((B, H, rows, D), _RAW_MX[info.dtype])
+                mx.eval(arr)  # a fresh buffer of our own: fill its first T rows in place
+                np.asarray(arr)[:, :, :T, :] = data
+            del data
         finally:
             view.release()
         if info.dtype == "BF16":
             arr = arr.view(mx.bfloat16)
-        return arr.reshape(info.shape)
+        return arr.reshape(info.shape) if rows is None else arr
 
     def close(self):
         if self._map is not None:

@@ -18,14 +18,21 @@ class KVCache(CacheContract, mlx_cache.KVCache):
     def dense_window(self):
         return None if self.keys is None or self.offset == 0 else self.keys_and_values()
 
+    @classmethod
+    def capacity_for(cls, offset: int) -> int:
+        """Rows a restored cache holds: offset plus slack up to the next step boundary, so
+        the next append writes in place."""
+        return (offset // cls.step + 1) * cls.step
+
     def adopt(self, keys: mx.array, values: mx.array, offset: int):
-        """Take ``keys``/``values`` holding exactly ``offset`` rows, with slack after them
-        so the next append writes in place (the write mlx-lm would have done)."""
+        """Take ``keys``/``values`` whose first ``offset`` rows are the cache; rows short of
+        ``capacity_for(offset)`` are added as zero slack."""
         B, H, T, _ = keys.shape
-        capacity = (offset // self.step + 1) * self.step
-        pad = capacity - T
+        pad = self.capacity_for(offset) - T
 
         def grow(a):
+            if pad <= 0:
+                return a
             return mx.concatenate([a, mx.zeros((B, H, pad, a.shape[3]), a.dtype)], axis=2)
 
         self.keys, self.values, self.offset = grow(keys), grow(values), offset

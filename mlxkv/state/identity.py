@@ -24,7 +24,10 @@ def _config_of(model) -> dict:
 
 def config_fingerprint(model_or_config) -> str:
     """sha256 hex of the canonical JSON of a model config (or of a config dict)."""
-    cfg = model_or_config if isinstance(model_or_config, dict) else _config_of(model_or_config)
+    import mlx.nn as nn
+
+    plain_dict = isinstance(model_or_config, dict) and not isinstance(model_or_config, nn.Module)
+    cfg = model_or_config if plain_dict else _config_of(model_or_config)
     text = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 

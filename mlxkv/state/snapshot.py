@@ -285,13 +285,14 @@ def load(
     caches, done, total = [], 0, st.file_size - st.data_start
     with TensorReader(st) as reader:
         for entry in header["caches"]:
-            tensors = {}
+            codec = codec_for_persisted(entry["kind"])
+            rows, tensors = codec.capacity(entry), {}
             for t in entry["tensors"]:
-                tensors[t["slot"]] = reader.read(t["name"], t["crc32"] if verify else None)
+                tensors[t["slot"]] = reader.read(t["name"], t["crc32"] if verify else None, rows)
                 done += st.tensors[t["name"]].end - st.tensors[t["name"]].begin
                 if progress:
                     progress(done, total)
-            cache = codec_for_persisted(entry["kind"]).decode(entry, tensors)
+            cache = codec.decode(entry, tensors)
             mx.eval(cache.state)  # materialize now: peak extra memory stays one cache's tensors
             del tensors
             cache.minimum_reusable_offset = entry["minimumReusableOffset"]

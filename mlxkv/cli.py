@@ -1,0 +1,425 @@
+"""The ``mlxkv`` command: ``demo``, ``inspect``, ``verify``, ``convert``.
+
+``demo`` runs a seeded generation per architecture and scheme, checkpoints it mid-way,
+restores every checkpoint in a fresh process (``python -m mlxkv.cli _resume``), continues
+there, and prints whether the continued tokens and logits equal those of the run that never
+stopped. Errors are mlxkv's own messages on stderr with exit code 1.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from typing import List, Optional
+
+from .errors import MLXKVError
+
+DEMO_SCHEMES = (
+    "bf16",
+    "kv4",
+    "kv8-g32",
+    "kv4-start16",
+    "turbo-k8v3",
+    "turbo-k4v2-start16",
+    "tova-b32-s4",
+    "qfilters-b32-s4-r8",
+)
+QUICK_SCHEMES = ("bf16", "kv4", "kv4-start16")
+# make_cache options per demo scheme: Q-Filters' key-SVD fallback freezes after 16 keys
+# (default 128) so the demo's 48 positions include evictions
+DEMO_OPTIONS = {"qfilters-b32-s4-r8": {"calib_tokens": 16}}
+LARGE_FILE = 64 << 20  # progress is shown for files this large even when stderr is not a tty
+
+
+# -- output helpers ---------------------------------------------------------------------
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_table(headers: List[str], rows: List[List[str]], out=sys.stdout) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    print(line(headers), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print(line(r), file=out)
+
+
+class Progress:
+    """A ``progress(done, total)`` callback drawing a bar on stderr when stderr is a
+    terminal or the transfer is large; silent otherwise."""
+
+    def __init__(self, label: str, stream=None, force: Optional[bool] = None, interval: float = 0.1):
+        self.label, self.stream = label, stream or sys.stderr
+        self.force, self.interval = force, interval
+        self.shown = False
+        self._last = 0.0
+
+    def _enabled(self, total: int) -> bool:
+        if self.force is not None:
+            return self.force
+        isatty = getattr(self.stream, "isatty", lambda: False)()
+        return isatty or total >= LARGE_FILE
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self._enabled(total):
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < self.interval:
+            return
+        self._last = now
+        pct = 100.0 * done / total if total else 100.0
+        self.stream.write(f"\r{self.label}: {pct:5.1f}% ({_fmt_bytes(done)} of {_fmt_bytes(total)})")
+        self.shown = True
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def layers_by_kind(kinds: List[str]) -> str:
+    """``["kv:plain", "ssm", "kv:plain"]`` -> ``"2 kv:plain + 1 ssm"`` (first-seen order)."""
+    counts = Counter(kinds)
+    return " + ".join(f"{counts[k]} {k}" for k in dict.fromkeys(kinds))
+
+
+# -- inspect / verify / convert ---------------------------------------------------------
+
+
+def cmd_inspect(args) -> int:
+    from .codecs.safetensors_io import read_safetensors_header
+    from .state.snapshot import read_header
+
+    header = read_header(args.file)
+    st = read_safetensors_header(args.file)
+    tokens = header["tokens"]
+    shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
+    general = [
+        ("file", args.file),
+        ("size", f"{st.file_size} bytes ({_fmt_bytes(st.file_size)})"),
+        ("formatVersion", header.get("formatVersion")),
+        ("codecProvider", header.get("codecProvider")),
+        ("createdAt", header.get("createdAt")),
+        ("modelId", header.get("modelId")),
+        ("configFingerprint", header.get("configFingerprint")),
+        ("tokenizerHash", header.get("tokenizerHash")),
+        ("ns", repr(header.get("ns", ""))),
+        ("tokens", f"{len(tokens)} [{shown}]"),
+    ]
+    cp = header.get("generationCheckpoint")
+    if cp is not None:
+        general.append(
+            (
+                "generationCheckpoint",
+                f"prompt {len(cp['promptTokens'])} + generated {len(cp['generatedTokens'])} tokens, "
+                f"pending {cp['pendingToken']}, seed {cp['seed']}, sampler {json.dumps(cp['sampler'])}, "
+                f"key {cp['key']}",
+            )
+        )
+    if header.get("attachments"):
+        general.append(("attachments", ", ".join(sorted(header["attachments"]))))
+    width = max(len(k) for k, _ in general)
+    for k, v in general:
+        print(f"{k.ljust(width)}  {v}")
+    print()
+    rows = []
+    for i, entry in enumerate(header["caches"]):
+        fields = {
+            k: v
+            for k, v in entry.items()
+            if k not in ("kind", "offset", "tensors", "minimumReusableOffset")
+        }
+        slots = " ".join(
+            f"{t['slot']}:{t['dtype']}{t['shape']}" for t in entry["tensors"]
+        )
+        size = sum(st.tensors[t["name"]].end - st.tensors[t["name"]].begin for t in entry["tensors"])
+        rows.append(
+            [
+                i,
+                entry["kind"],
+                entry.get("offset", ""),
+                entry["minimumReusableOffset"],
+                " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in fields.items()) or "-",
+                size,
+                slots or "-",
+            ]
+        )
+    print_table(["layer", "kind", "offset", "minReuse", "fields", "bytes", "tensors (slot:dtype[shape])"], rows)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .state.snapshot import verify
+
+    size = os.path.getsize(args.file) if os.path.exists(args.file) else 0
+    header = verify(args.file, progress=Progress("verifying"))
+    n = sum(len(e["tensors"]) for e in header["caches"])
+    print(f"ok: {args.file}: {n} tensors in {len(header['caches'])} layers, {size} bytes, every checksum matches")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .state.prompt_cache import convert_prompt_cache, parse_tokens
+
+    tokens = parse_tokens(args.tokens) if args.tokens is not None else None
+    identity = {
+        k: getattr(args, k)
+        for k in ("model_id", "config_fingerprint", "tokenizer_hash", "ns")
+        if getattr(args, k) is not None
+    }
+    header = convert_prompt_cache(args.src, args.dst, tokens=tokens, progress=Progress("writing"), **identity)
+    kinds = [e["kind"] for e in header["caches"]]
+    print(
+        f"wrote {args.dst}: {len(kinds)} layers ({layers_by_kind(kinds)}), "
+        f"{len(header['tokens'])} tokens, {os.path.getsize(args.dst)} bytes"
+    )
+    return 0
+
+
+# -- demo -----------------------------------------------------------------------------
+
+
+def _scheme_available(scheme: str) -> bool:
+    from .errors import SchemeError
+    from .inference.schemes import parse_scheme
+
+    try:
+        parse_scheme(scheme)
+        return True
+    except SchemeError:
+        return False
+
+
+def _demo_run(arch, model, scheme, workdir, prompt_len, before, after, sampler, seed):
+    """Run, checkpoint after ``before`` tokens, continue ``after`` more; returns the row
+    data and the reference continuation."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .seeded import prompt
+    from .state.session import Session
+
+    session = Session.start(
+        model, prompt(prompt_len, seed=seed + 1), scheme, sampler=sampler, seed=seed, **DEMO_OPTIONS.get(scheme, {})
+    )
+    session.generate(before)
+    path = os.path.join(workdir, f"{arch}-{scheme}.safetensors")
+    t0 = time.perf_counter()
+    session.save(path)
+    save_ms = (time.perf_counter() - t0) * 1000
+    kinds = [c.kind for c in session.caches]
+    logits = []
+    tokens = session.generate(after, lambda t, l: logits.append(np.array(l.astype(mx.float32))))
+    return {
+        "path": path,
+        "kinds": kinds,
+        "bytes": os.path.getsize(path),
+        "save_ms": save_ms,
+        "tokens": tokens,
+        "logits": np.stack(logits),
+    }
+
+
+def cmd_demo(args) -> int:
+    import numpy as np
+
+    from .seeded import ARCHITECTURES, build_model
+    from .state.session import Sampler
+
+    warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
+    schemes = QUICK_SCHEMES if args.quick else DEMO_SCHEMES
+    if args.schemes:
+        schemes = tuple(args.schemes.split(","))
+    archs = tuple(args.archs.split(",")) if args.archs else ARCHITECTURES
+    before, after = (12, 6) if args.quick else (args.before, args.after)
+    sampler = Sampler(temperature=args.temperature, top_p=args.top_p)
+    t_start = time.perf_counter()
+
+    keep = args.keep
+    tmp = None if keep else tempfile.TemporaryDirectory(prefix="mlxkv-demo-")
+    workdir = keep or tmp.name
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        runs, rows = [], []
+        for arch in archs:
+            model = build_model(arch, seed=args.seed)
+            for scheme in schemes:
+                if not _scheme_available(scheme):
+                    rows.append((arch, scheme, None, "not available"))
+                    continue
+                try:
+                    run = _demo_run(arch, model, scheme, workdir, args.prompt, before, after, sampler, args.seed)
+                except Exception as e:  # a broken scheme is a row of the table, not a crash
+                    rows.append((arch, scheme, None, f"error: {type(e).__name__}: {e}"))
+                    continue
+                run.update(arch=arch, scheme=scheme, steps=after, out=run["path"] + ".npz")
+                runs.append(run)
+                rows.append((arch, scheme, run, None))
+
+        resumed = _resume_in_fresh_process(runs, workdir, args.seed) if runs else {}
+
+        table, failures = [], 0
+        for arch, scheme, run, note in rows:
+            if run is None:
+                table.append([arch, scheme, note, "", "", "", "", ""])
+                failures += note.startswith("error")
+                continue
+            got = resumed.get(run["path"])
+            if got is None or "error" in got:
+                failures += 1
+                msg = got["error"] if got else "no result from the fresh process"
+                table.append([arch, scheme, layers_by_kind(run["kinds"]), run["bytes"], f"{run['save_ms']:.1f}", "", "no", msg])
+                continue
+            theirs = np.load(run["out"])["logits"]
+            same_tokens = got["tokens"] == run["tokens"]
+            diff = float(np.max(np.abs(theirs - run["logits"]))) if theirs.shape == run["logits"].shape else float("inf")
+            failures += not (same_tokens and diff == 0.0)
+            table.append(
+                [
+                    arch,
+                    scheme,
+                    layers_by_kind(run["kinds"]),
+                    run["bytes"],
+                    f"{run['save_ms']:.1f}",
+                    f"{got['load_ms']:.1f}",
+                    "yes" if same_tokens else "no",
+                    f"{diff:g}",
+                ]
+            )
+        print(
+            f"mlxkv demo: prompt {args.prompt} tokens, checkpoint after {before} generated, "
+            f"{after} more continued in a fresh process; sampler temperature={sampler.temperature} "
+            f"top_p={sampler.top_p} seed={args.seed}"
+        )
+        print_table(
+            ["architecture", "scheme", "layers by kind", "snapshot bytes", "save ms", "load ms",
+             "identical tokens", "max |logit diff|"],
+            table,
+        )
+        print(f"({time.perf_counter() - t_start:.1f} s)")
+        return 1 if failures else 0
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _resume_in_fresh_process(runs, workdir, seed) -> dict:
+    manifest = os.path.join(workdir, "manifest.json")
+    with open(manifest, "w") as f:
+        json.dump(
+            [{k: r[k] for k in ("arch", "scheme", "path", "steps", "out")} for r in runs] + [{"seed": seed}], f
+        )
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxkv.cli", "_resume", manifest],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise MLXKVError(f"the fresh resume process failed:\n{proc.stderr.strip()}")
+    return {r["path"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def cmd_resume(args) -> int:
+    """Internal: restore every checkpoint of a demo manifest, continue, write logits."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .seeded import build_model
+    from .state.session import Session
+
+    warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
+    with open(args.manifest) as f:
+        entries = json.load(f)
+    seed = entries.pop()["seed"]
+    models, results = {}, []
+    for i, e in enumerate(entries):
+        try:
+            model = models.get(e["arch"]) or models.setdefault(e["arch"], build_model(e["arch"], seed=seed))
+            if i == 0:
+                Session.restore(e["path"], model)  # warm-up: first-call costs out of the timing
+            t0 = time.perf_counter()
+            session = Session.restore(e["path"], model)
+            load_ms = (time.perf_counter() - t0) * 1000
+            logits = []
+            tokens = session.generate(e["steps"], lambda t, l: logits.append(np.array(l.astype(mx.float32))))
+            np.savez(e["out"], logits=np.stack(logits))
+            results.append({"path": e["path"], "tokens": tokens, "load_ms": load_ms})
+        except Exception as err:  # reported in the parent's table
+            results.append({"path": e["path"], "error": f"{type(err).__name__}: {err}"})
+    print(json.dumps(results))
+    return 0
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlxkv", description="Snapshots of MLX key/value caches.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="generate, checkpoint, resume in a fresh process, compare")
+    d.add_argument("--quick", action="store_true", help="fewer schemes and tokens (for tests)")
+    d.add_argument("--schemes", help="comma-separated schemes (default: the demo list)")
+    d.add_argument("--archs", help="comma-separated seeded architectures (default: all)")
+    d.add_argument("--prompt", type=int, default=24, help="prompt length in tokens")
+    d.add_argument("--before", type=int, default=24, help="tokens generated before the checkpoint")
+    d.add_argument("--after", type=int, default=16, help="tokens continued after it")
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--top-p", type=float, default=0.95)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--keep", metavar="DIR", help="keep the snapshots in DIR")
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="print a snapshot's header (reads no tensor)")
+    i.add_argument("file")
+    i.set_defaults(func=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check every checksum of a snapshot")
+    v.add_argument("file")
+    v.set_defaults(func=cmd_verify)
+
+    c = sub.add_parser("convert", help="mlx-lm prompt-cache file -> mlxkv snapshot")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument(
+        "--tokens",
+        help="the token ids the cache covers: '1,2,3', '1 2 3', a JSON list, or @file "
+        "(required unless the file's metadata has a 'tokens' JSON list)",
+    )
+    c.add_argument("--model-id", dest="model_id", help="default: the file's 'model' metadata")
+    c.add_argument("--config-fingerprint", dest="config_fingerprint")
+    c.add_argument("--tokenizer-hash", dest="tokenizer_hash")
+    c.add_argument("--ns")
+    c.set_defaults(func=cmd_convert)
+
+    r = sub.add_parser("_resume")  # internal, used by demo
+    r.add_argument("manifest")
+    r.set_defaults(func=cmd_resume)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MLXKVError as e:
+        print(f"mlxkv {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""Reading mlx-lm's own prompt-cache files (``mlx_lm.models.cache.save_prompt_cache``).
+
+The current mlx-lm layout (since ml-explore/mlx-lm PR #1778, which put the scalars into
+each cache's ``state`` and dropped ``meta_state``) is a safetensors file whose
+``__metadata__`` is the flattened list ``[metadata, class names, scalars]``:
+
+- ``"0.<key>"``: the user metadata (``mlx_lm.cache_prompt`` writes ``model`` and
+  ``tokenizer_config``);
+- ``"1.<i>"``: the class name of cache ``i``;
+- ``"2.0" == ""`` (a sentinel), then ``"2.<k>.0"`` / ``"2.<k>.1"``: the name of a tensor that
+  stands for a scalar and its type (``scalar``, ``string``, ``none``).
+
+Tensors are named by the flattened ``state`` of each cache: ``"<i>.<j>[.<k>]"``. The older
+layout flattened ``[meta_state per cache, metadata, class names]`` instead (class names under
+``"2.<i>"``, offsets in string meta states, keys sliced to the offset); it is recognised and
+refused with a message saying how to re-save it.
+
+Class names are mapped explicitly to mlxkv caches (never looked up by name); any other
+class raises :class:`UnsupportedPromptCacheClassError`. mlx-lm files do not record the tokens
+their caches cover; see :func:`convert_prompt_cache` for where mlxkv takes them from.
+"""
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..codecs.safetensors_io import TensorReader, read_safetensors_header
+from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
+from ..inference.arrays import ArraysCache
+from ..inference.masks import ForwardMasks
+from ..inference.plain import KVCache
+from ..inference.quantized import QuantizedKVCache
+from ..inference.rotating import RotatingKVCache
+from .snapshot import META_KEY, save
+
+TOKENS_METADATA_KEY = "tokens"
+
+
+class OldPromptCacheLayoutError(SnapshotError):
+    """A prompt-cache file in mlx-lm's layout from before scalars moved into ``state``."""
+
+
+class MissingTokensError(SnapshotError):
+    """The tokens a converted snapshot must record are not known."""
+
+
+class UnsupportedPromptCacheClassError(UnknownKindError):
+    """An mlx-lm cache class in a prompt-cache file that mlxkv has no cache for."""
+
+    def __init__(self, class_name: str, layer: int, path: str):
+        self.kind = class_name
+        MLXKVError.__init__(
+            self,
+            f"{path}: layer {layer} is an mlx-lm {class_name!r}, which mlxkv cannot convert; "
+            f"convertible classes: {', '.join(CONVERTERS)}",
+        )
+
+
+@dataclass
+class PromptCacheFile:
+    """What an mlx-lm prompt-cache file holds, as mlxkv caches."""
+
+    caches: list
+    tokens: Optional[List[int]]  # None when neither the caller nor the file gave them
+    metadata: Dict[str, str]
+    classes: List[str]
+    offset: int  # the positions the caches cover
+    path: str = ""
+    scalars: Dict[str, object] = field(default_factory=dict)
+
+
+# -- layout ---------------------------------------------------------------------------
+
+
+def _indexed(meta: Dict[str, str], prefix: str) -> Dict[int, str]:
+    pat = re.compile(re.escape(prefix) + r"(\d+)")
+    return {int(m.group(1)): v for k, v in meta.items() if (m := pat.fullmatch(k))}
+
+
+def _parse_layout(path: str, meta: Dict[str, str]):
+    """(user metadata, class names, {tensor name: scalar type}) of the current layout."""
+    if META_KEY in meta:
+        raise SnapshotError(f"{path}: this is already an mlxkv snapshot; open it with mlxkv.load")
+    if meta.get("2.0") != "":
+        old_classes = _indexed(meta, "2.")
+        if old_classes and all(v and "." not in v for v in old_classes.values()):
+            raise OldPromptCacheLayoutError(
+                f"{path}: written by an mlx-lm older than the current save_prompt_cache layout "
+                "(per-cache meta_state strings, classes under '2.<i>'; mlx-lm changed it when "
+                "the scalars moved into each cache's state). Load it with the mlx-lm that wrote "
+                "it, upgrade mlx-lm, re-save it with mlx_lm.models.cache.save_prompt_cache, "
+                "then convert the new file"
+            )
+        raise SnapshotError(
+            f"{path}: not an mlx-lm prompt-cache file (no class list and scalar sentinel in "
+            "__metadata__); expected a file written by mlx_lm.models.cache.save_prompt_cache"
+        )
+    user = {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+    by_index = _indexed(meta, "1.")
+    classes = [by_index.get(i) for i in range(len(by_index))]
+    if not classes or None in classes:
+        raise CorruptSnapshotError(f"{path}: the class list in __metadata__ is empty or has holes")
+    scalars = {}
+    entries = sorted({int(m.group(1)) for k in meta if (m := re.fullmatch(r"2\.(\d+)\.[01]", k))})
+    for k in entries:
+        name, kind = meta.get(f"2.{k}.0"), meta.get(f"2.{k}.1")
+        if name is None or kind not in ("scalar", "string", "none"):
+            raise CorruptSnapshotError(f"{path}: scalar entry 2.{k} is malformed ({name!r}, {kind!r})")
+        scalars[name] = kind
+    return user, classes, scalars
+
+
+# -- per-class state paths ------------------------------------------------------------
+# Each converter lists the state paths (relative to the layer) it needs and which of them are
+# scalars, then builds the mlxkv cache from the values.
+
+
+def _slice(a, n):
+    return a[..., :n, :]
+
+
+def _kv(v, ctx):
+    keys, values, offset = v["0"], v["1"], v["2"]
+    if keys is None or offset == 0:
+        return KVCache()
+    ctx.rows(keys, offset)
+    ctx.rows(values, offset)
+    return KVCache().adopt(_slice(keys, offset), _slice(values, offset), offset)
+
+
+def _quantized(v, ctx):
+    offset, group, bits = v["2"], v["3"], v["4"]
+    try:
+        cache = QuantizedKVCache(group_size=group, bits=bits)
+    except CacheConfigError as e:
+        raise SnapshotError(f"{ctx.where}: {e}") from None
+    keys = tuple(v[f"0.{j}"] for j in range(3))
+    values = tuple(v[f"1.{j}"] for j in range(3))
+    if keys[0] is None or offset == 0:
+        return cache
+    for a in keys + values:
+        ctx.rows(a, offset)
+    return cache.adopt(tuple(_slice(a, offset) for a in keys), tuple(_slice(a, offset) for a in values), offset)
+
+
+def _rotating(v, ctx):
+    keys, values, offset, keep, max_size, idx = (v[str(j)] for j in range(6))
+    try:
+        cache = RotatingKVCache(max_size, keep)
+    except CacheConfigError as e:
+        raise SnapshotError(f"{ctx.where}: {e}") from None
+    if keys is None or offset == 0:
+        return cache
+    rows = keys.shape[2]
+    if keys.ndim != 4 or values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
+        raise CorruptSnapshotError(
+            f"{ctx.where}: keys {list(keys.shape)} and values {list(values.shape)} are not one ring"
+        )
+    if not 0 <= idx <= rows or rows < min(offset, max_size):
+        raise CorruptSnapshotError(
+            f"{ctx.where}: ring of {rows} rows with offset={offset} idx={idx} max_size={max_size} "
+            "is not a ring mlx-lm writes"
+        )
+    return cache.adopt(keys, values, offset, idx)
+
+
+def _arrays(v, ctx):
+    if v.get("1") is not None or v.get("2") is not None:
+        raise SnapshotError(
+            f"{ctx.where}: a batched ArraysCache (left_padding or lengths set) cannot be "
+            "converted: save a single-sequence cache"
+        )
+    size = ctx.list_size("0")
+    return ArraysCache(size).adopt([v.get(f"0.{j}") for j in range(size)], 0)
+
+
+CONVERTERS: Dict[str, Callable] = {
+    "KVCache": _kv,
+    "QuantizedKVCache": _quantized,
+    "RotatingKVCache": _rotating,
+    "ArraysCache": _arrays,
+}
+
+# the state paths each class must have (ArraysCache's list is variable: "0.<j>")
+REQUIRED_PATHS = {
+    "KVCache": ["0", "1", "2"],
+    "QuantizedKVCache": ["0.0", "0.1", "0.2", "1.0", "1.1", "1.2", "2", "3", "4"],
+    "RotatingKVCache": ["0", "1", "2", "3", "4", "5"],
+    "ArraysCache": ["1", "2"],
+}
+SCALAR_PATHS = {
+    "KVCache": {"2"},
+    "QuantizedKVCache": {"2", "3", "4"},
+    "RotatingKVCache": {"2", "3", "4", "5"},
+    "ArraysCache": set(),
+}
+
+
+class _LayerContext:
+    def __init__(self, path, layer, cls, names):
+        self.where = f"{path}: layer {layer} ({cls})"
+        self.names = names
+
+    def rows(self, keys, offset):
+        if keys.ndim != 4 or keys.shape[2] < offset:
+            raise CorruptSnapshotError(
+                f"{self.where}: keys of shape {list(keys.shape)} cannot hold offset {offset}"
+            )
+
+    def list_size(self, prefix):
+        idx = [int(n[len(prefix) + 1 :]) for n in self.names if re.fullmatch(re.escape(prefix) + r"\.\d+", n)]
+        if not idx or sorted(idx) != list(range(len(idx))):
+            raise CorruptSnapshotError(f"{self.where}: state list {prefix}.* is empty or has holes")
+        return len(idx)
+
+
+# -- reading --------------------------------------------------------------------------
+
+
+def _scalar_value(reader, name, kind, where):
+    if kind == "none":
+        return None
+    a = reader.read(name)
+    if kind == "string":
+        return "".join(chr(int(c)) for c in a.tolist())
+    if a.ndim != 0:
+        raise CorruptSnapshotError(f"{where}: scalar {name!r} has shape {list(a.shape)}")
+    return a.item()
+
+
+def _tokens_from_metadata(path, meta) -> Optional[List[int]]:
+    text = meta.get(TOKENS_METADATA_KEY)
+    if text is None:
+        return None
+    try:
+        tokens = json.loads(text)
+    except ValueError:
+        tokens = None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise CorruptSnapshotError(
+            f"{path}: metadata {TOKENS_METADATA_KEY!r} must be a JSON list of token ids"
+        )
+    return tokens
+
+
+def read_prompt_cache(path: str, tokens: Optional[Sequence[int]] = None) -> PromptCacheFile:
+    """Read an mlx-lm prompt-cache file into mlxkv caches (no code named by the file runs).
+
+    ``tokens`` (or the file's ``tokens`` metadata, a JSON list) must have as many entries as
+    the caches cover; without either, ``tokens`` is None in the result.
+    """
+    st = read_safetensors_header(path)
+    user, classes, scalars = _parse_layout(path, st.metadata)
+
+    # Everything about the structure is checked before a tensor is read.
+    per_layer: Dict[int, List[str]] = {i: [] for i in range(len(classes))}
+    for name in st.tensors:
+        head, _, rest = name.partition(".")
+        if not head.isdigit() or int(head) >= len(classes) or not rest:
+            raise CorruptSnapshotError(f"{path}: tensor {name!r} belongs to no cache of the class list")
+        per_layer[int(head)].append(rest)
+    for name in scalars:
+        if name not in st.tensors:
+            raise CorruptSnapshotError(f"{path}: scalar entry names tensor {name!r}, which the file lacks")
+    for i, cls in enumerate(classes):
+        if cls not in CONVERTERS:
+            raise UnsupportedPromptCacheClassError(cls, i, path)
+        names = set(per_layer[i])
+        missing = [p for p in REQUIRED_PATHS[cls] if p not in names]
+        if missing:
+            raise CorruptSnapshotError(f"{path}: layer {i} ({cls}) lacks state entries {missing}")
+        for p in SCALAR_PATHS[cls]:
+            if f"{i}.{p}" not in scalars:
+                raise CorruptSnapshotError(f"{path}: layer {i} ({cls}) state entry {p} is not a scalar")
+
+    caches, masks, found_scalars = [], ForwardMasks(), {}
+    with TensorReader(st) as reader:
+        for i, cls in enumerate(classes):
+            ctx = _LayerContext(path, i, cls, per_layer[i])
+            values = {}
+            for rest in sorted(per_layer[i]):
+                name = f"{i}.{rest}"
+                kind = scalars.get(name)
+                if kind is not None:
+                    values[rest] = found_scalars[name] = _scalar_value(reader, name, kind, ctx.where)
+                elif rest in SCALAR_PATHS[cls]:
+                    raise CorruptSnapshotError(f"{ctx.where}: state entry {rest} must be a scalar")
+                else:
+                    values[rest] = reader.read(name)
+            for p in SCALAR_PATHS[cls]:
+                if not isinstance(values[p], int) or isinstance(values[p], bool) or values[p] < 0:
+                    raise CorruptSnapshotError(f"{ctx.where}: state entry {p} must be a non-negative integer")
+            cache = CONVERTERS[cls](values, ctx)
+            cache.masks = masks
+            caches.append(cache)
+
+    offsets = {c.offset for c in caches if not isinstance(c, ArraysCache)}
+    if len(offsets) > 1:
+        raise CorruptSnapshotError(f"{path}: the caches disagree on their offset ({sorted(offsets)})")
+    offset = offsets.pop() if offsets else None
+
+    file_tokens = _tokens_from_metadata(path, user)
+    if tokens is not None:
+        tokens = [int(t) for t in tokens]
+        if file_tokens is not None and file_tokens != tokens:
+            raise MissingTokensError(
+                f"{path}: the given tokens differ from the tokens recorded in the file's metadata"
+            )
+    else:
+        tokens = file_tokens
+    if offset is None:  # recurrent state only: the tokens are the only record of the position
+        offset = len(tokens) if tokens is not None else 0
+    if tokens is not None and len(tokens) != offset:
+        raise MissingTokensError(
+            f"{path}: the caches cover {offset} positions but {len(tokens)} tokens were given"
+        )
+    for c in caches:
+        if isinstance(c, ArraysCache):
+            c.offset = offset
+    return PromptCacheFile(caches, tokens, user, classes, offset, path, found_scalars)
+
+
+def parse_tokens(text: str) -> List[int]:
+    """Tokens from a command-line value: ``"1,2,3"``, ``"1 2 3"``, a JSON list, or
+    ``@file`` holding any of those."""
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise MLXKVError(f"cannot read tokens from {text[1:]}: {e}") from None
+    text = text.strip()
+    try:
+        if text.startswith("["):
+            values = json.loads(text)
+        else:
+            values = [int(t) for t in re.split(r"[,\s]+", text) if t]
+    except ValueError:
+        values = None
+    if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
+        raise MLXKVError("tokens must be integers: '1,2,3', '1 2 3', a JSON list, or @file with those")
+    return values
+
+
+def convert_prompt_cache(
+    src: str,
+    dst: str,
+    tokens: Optional[Sequence[int]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    **identity,
+) -> dict:
+    """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``.
+
+    The snapshot records the exact tokens its caches cover, which mlx-lm files do not:
+    they come from ``tokens`` or else from a ``tokens`` entry (a JSON list) in the file's
+    metadata; with neither, the conversion is refused (MissingTokensError) rather than
+    writing tokens that could make a prefix match lie. ``identity`` (model_id,
+    config_fingerprint, tokenizer_hash, ns) goes to the header; ``model_id`` defaults to
+    the ``model`` entry ``mlx_lm.cache_prompt`` writes. Returns the snapshot header.
+    """
+    pc = read_prompt_cache(src, tokens)
+    if pc.tokens is None:
+        raise MissingTokensError(
+            f"{src}: mlx-lm prompt-cache files do not record their tokens and this one covers "
+            f"{pc.offset} positions: pass the {pc.offset} token ids the cache was built from "
+            "(convert_prompt_cache(..., tokens=ids), or `mlxkv convert SRC DST --tokens "
+            "1,2,3` / `--tokens @ids.json`)"
+        )
+    identity.setdefault("model_id", pc.metadata.get("model", ""))
+    return save(dst, pc.caches, pc.tokens, progress=progress, **identity)
