@@ -19,7 +19,6 @@ import json
 import os
 import random
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -33,11 +32,6 @@ from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
 import mlxkv  # noqa: E402
 from mlxkv.codecs.safetensors_io import TensorReader, read_safetensors_header  # noqa: E402
-
-try:  # the CRC-32 mlxkv uses (zlib-ng when installed)
-    from zlib_ng.zlib_ng import crc32  # noqa: E402
-except ImportError:  # pragma: no cover
-    from zlib import crc32  # noqa: E402
 
 
 def build_arrays(layers, heads, tokens, dim):
@@ -123,16 +117,12 @@ def mlxkv_load(path, verify=True):
     return snap
 
 
-# -- prototypes of a faster plain-KV load (not used by mlxkv; numbers for the lead) ----------
-
-
-def proto_load_exact(path):
-    """mlxkv.load's validation and verified reads, but plain KV restored position-exact
-    (no slack): what the load costs without the slack copy."""
+def exact_load(path):
+    """The alternative the design rejected: the same validation and verified reads, plain
+    KV restored position-exact (no slack), so the first append copies the cache instead."""
     header = mlxkv.read_header(path)
-    st = read_safetensors_header(path)
     caches = []
-    with TensorReader(st) as reader:
+    with TensorReader(read_safetensors_header(path)) as reader:
         for entry in header["caches"]:
             t = {s["slot"]: reader.read(s["name"], s["crc32"]) for s in entry["tensors"]}
             c = mlxkv.KVCache()
@@ -140,123 +130,6 @@ def proto_load_exact(path):
             caches.append(c)
     mx.eval([c.state for c in caches])
     return caches
-
-
-def _read_into_slack(fd, info, crc_expected, capacity):
-    """One copy: the file's rows go straight into an mlx buffer that already has the slack
-    (pread into per-(batch, head) row blocks of a zero-filled array), CRC taken on the way."""
-    B, H, T, D = info.shape
-    dst = mx.zeros((B, H, capacity, D), mx.bfloat16)
-    mx.eval(dst)
-    raw = np.asarray(dst.view(mx.uint16))  # writable view of dst's own buffer
-    blocks = [raw[b, h, :T, :] for b in range(B) for h in range(H)]
-    if os.preadv(fd, blocks, info.begin) != info.end - info.begin:
-        raise RuntimeError("short read")
-    crc = 0
-    for blk in blocks:
-        crc = crc32(blk, crc)
-    if f"{crc & 0xFFFFFFFF:08x}" != crc_expected:
-        raise RuntimeError("checksum mismatch")
-    return dst
-
-
-def proto_load_direct_slack(path):
-    """Verified plain-KV load with slack and a single copy per tensor."""
-    header = mlxkv.read_header(path)
-    st = read_safetensors_header(path)
-    caches = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for entry in header["caches"]:
-            off = entry["offset"]
-            cap = (off // mlxkv.KVCache.step + 1) * mlxkv.KVCache.step
-            t = {s["slot"]: _read_into_slack(fd, st.tensors[s["name"]], s["crc32"], cap) for s in entry["tensors"]}
-            c = mlxkv.KVCache()
-            c.keys, c.values, c.offset = t["keys"], t["values"], off
-            caches.append(c)
-    finally:
-        os.close(fd)
-    mx.eval([c.state for c in caches])
-    return caches
-
-
-def _zero_copy_blocks(a):
-    """The bytes of ``a`` as contiguous numpy views of its own buffer, in row-major order:
-    one block when ``a`` is contiguous, one per (batch, head) for a slice along the token
-    axis (a plain cache sliced to its offset). No copy either way."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    mx.eval(a)
-    n = np.asarray(a)
-    if n.flags.c_contiguous:
-        return [n.reshape(-1)]
-    if n.ndim == 4 and n[0, 0].flags.c_contiguous:
-        return [n[b, h] for b in range(n.shape[0]) for h in range(n.shape[1])]
-    return [np.ascontiguousarray(n)]
-
-
-def _crc_of(blocks):
-    crc = 0
-    for blk in blocks:
-        crc = crc32(blk, crc)
-    return f"{crc & 0xFFFFFFFF:08x}"
-
-
-def proto_write_atomic(path, tensors, build_metadata, progress=None, fsync=True):
-    """``safetensors_io.write_atomic`` with the same protocol (temporary file, header
-    last, fsync, rename, directory fsync) but (1) no contiguous copy of sliced tensors and
-    (2) each tensor's CRC-32 computed on a worker thread while the same bytes are written
-    (zlib-ng releases the GIL)."""
-    import tempfile
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mlxkv.codecs import safetensors_io as sio
-
-    entries, start = {}, 0
-    for name, a in tensors:
-        entries[name] = {"dtype": sio.dtype_name(a), "shape": list(a.shape), "data_offsets": [start, start + a.nbytes]}
-        start += a.nbytes
-    placeholder = sio._header_bytes(entries, build_metadata({n: sio.CRC_PLACEHOLDER for n in entries}))
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        crcs = {}
-        with os.fdopen(fd, "wb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
-            f.seek(8 + len(placeholder))
-            for name, a in tensors:
-                blocks = _zero_copy_blocks(a)
-                pending = pool.submit(_crc_of, blocks)
-                for blk in blocks:
-                    f.write(blk)
-                crcs[name] = pending.result()
-            header = sio._header_bytes(entries, build_metadata(crcs))
-            assert len(header) == len(placeholder)
-            f.seek(0)
-            f.write(struct.pack("<Q", len(header)) + header)
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    return crcs
-
-
-def proto_save(path, caches, tokens):
-    """mlxkv.save, unchanged, writing through ``proto_write_atomic``."""
-    from unittest import mock
-
-    from mlxkv.state import snapshot
-
-    with mock.patch.object(snapshot, "write_atomic", proto_write_atomic):
-        mlxkv.save(path, caches, tokens)
 
 
 def append_one(caches):
@@ -303,18 +176,17 @@ def main(argv=None):
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="mlxkv-bench-", dir=args.dir or os.path.dirname(args.out))
-    paths = {n: os.path.join(workdir, f"{n}.safetensors") for n in ("numpy", "mlx_lm", "mlxkv", "proto")}
+    paths = {n: os.path.join(workdir, f"{n}.safetensors") for n in ("numpy", "mlx_lm", "mlxkv")}
 
     times = {k: [] for k in ("numpy_save", "numpy_load", "mlx_lm_save", "mlx_lm_load",
                              "mlxkv_save", "mlxkv_load_verified", "mlxkv_load_unverified",
                              "mlx_lm_load_then_append", "mlxkv_load_then_append",
-                             "proto_load_exact", "proto_load_direct_slack", "proto_save")}
+                             "exact_load", "exact_load_then_append")}
     try:
         saves = {
             "numpy_save": (numpy_save, paths["numpy"], arrays),
             "mlx_lm_save": (mlx_lm_save, paths["mlx_lm"], lm_caches),
             "mlxkv_save": (mlxkv_save, paths["mlxkv"], kv_caches, tokens),
-            "proto_save": (proto_save, paths["proto"], kv_caches, tokens),
         }
         loads = {
             "numpy_load": (numpy_load, paths["numpy"], arrays),
@@ -323,8 +195,8 @@ def main(argv=None):
             "mlxkv_load_unverified": (mlxkv_load, paths["mlxkv"], False),
             "mlx_lm_load_then_append": (then_append, mlx_lm_load, paths["mlx_lm"]),
             "mlxkv_load_then_append": (then_append, mlxkv_load, paths["mlxkv"]),
-            "proto_load_exact": (proto_load_exact, paths["mlxkv"]),
-            "proto_load_direct_slack": (proto_load_direct_slack, paths["mlxkv"]),
+            "exact_load": (exact_load, paths["mlxkv"]),
+            "exact_load_then_append": (then_append, exact_load, paths["mlxkv"]),
         }
         order = random.Random(0)
         for r in range(args.repeats):
@@ -345,11 +217,7 @@ def main(argv=None):
                 for c, (k, v) in zip(caches, arrays)
             )
 
-        direct = proto_load_direct_slack(paths["mlxkv"])
-        same = identical(mlxkv.load(paths["mlxkv"]).caches) and identical(direct)
-        same = same and identical(mlxkv.load(paths["proto"]).caches)
-        same = same and open(paths["proto"], "rb").read()[-1 << 20 :] == open(paths["mlxkv"], "rb").read()[-1 << 20 :]
-        same = same and all(c.keys.shape == d.keys.shape for c, d in zip(mlxkv.load(paths["mlxkv"]).caches, direct))
+        same = identical(mlxkv.load(paths["mlxkv"]).caches) and identical(exact_load(paths["mlxkv"]))
         st = read_safetensors_header(paths["mlxkv"])
         sizes = {n: os.path.getsize(p) for n, p in paths.items()}
     finally:
@@ -363,13 +231,12 @@ def main(argv=None):
     ratios = {
         "mlxkv_save / mlx_lm_save": med["mlxkv_save"] / med["mlx_lm_save"],
         "mlxkv_save / numpy_save": med["mlxkv_save"] / med["numpy_save"],
-        "proto_save / mlx_lm_save": med["proto_save"] / med["mlx_lm_save"],
         "mlxkv_load_verified / mlx_lm_load": med["mlxkv_load_verified"] / med["mlx_lm_load"],
         "mlxkv_load_verified / numpy_load": med["mlxkv_load_verified"] / med["numpy_load"],
         "mlxkv_load_unverified / mlx_lm_load": med["mlxkv_load_unverified"] / med["mlx_lm_load"],
         "mlxkv_load_then_append / mlx_lm_load_then_append": med["mlxkv_load_then_append"] / med["mlx_lm_load_then_append"],
-        "proto_load_exact / mlx_lm_load": med["proto_load_exact"] / med["mlx_lm_load"],
-        "proto_load_direct_slack / mlx_lm_load": med["proto_load_direct_slack"] / med["mlx_lm_load"],
+        "exact_load / mlx_lm_load": med["exact_load"] / med["mlx_lm_load"],
+        "exact_load_then_append / mlx_lm_load_then_append": med["exact_load_then_append"] / med["mlx_lm_load_then_append"],
         "mlxkv_file / (logical + header)": sizes["mlxkv"] / (logical + st.data_start),
     }
     targets = {
@@ -385,9 +252,8 @@ def main(argv=None):
         "min_seconds": best,
         "min_ratios": {
             "mlxkv_save / mlx_lm_save": best["mlxkv_save"] / best["mlx_lm_save"],
-            "proto_save / mlx_lm_save": best["proto_save"] / best["mlx_lm_save"],
             "mlxkv_load_verified / mlx_lm_load": best["mlxkv_load_verified"] / best["mlx_lm_load"],
-            "proto_load_direct_slack / mlx_lm_load": best["proto_load_direct_slack"] / best["mlx_lm_load"],
+            "exact_load / mlx_lm_load": best["exact_load"] / best["mlx_lm_load"],
         },
         "all_seconds": times,
         "throughput_MiB_per_s": {k: logical / v / 2**20 for k, v in med.items()},

@@ -12,40 +12,18 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheConfigError
 from .arrays import ArraysCache
 from .base import CacheContract
-from .batched_layout import check_row
+from .batched_layout import RowOffsets, check_row
 
 
-class BatchedArraysCache(CacheContract, mlx_cache.ArraysCache):
+class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
     kind = "kv:batched-ssm"
 
     def __init__(self, arrays, offsets, min_reuse=None, masks=None):
         super().__init__(len(arrays))
         self.cache = list(arrays)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.row_minimum_reusable_offsets = (
-            np.zeros_like(self.offsets) if min_reuse is None else np.asarray(min_reuse, dtype=np.int64)
-        )
-        self._offset_array = None
+        self._init_rows(offsets, min_reuse)
         if masks is not None:
             self.masks = masks
-
-    @property
-    def batch_size(self):
-        return len(self.offsets)
-
-    @property
-    def offset(self) -> mx.array:
-        if self._offset_array is None:
-            self._offset_array = mx.array(self.offsets.astype(np.int32))
-        return self._offset_array
-
-    def _set_offsets(self, offsets):
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self._offset_array = None
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return int(self.row_minimum_reusable_offsets.max(initial=0))
 
     def advance(self, N: int):
         super().advance(N)

@@ -22,6 +22,7 @@ from ..errors import CacheConfigError
 from .base import CacheContract, row_bytes
 from .batched_layout import (
     Columns,
+    RowOffsets,
     check_row,
     evict_oldest,
     gather_columns,
@@ -42,7 +43,7 @@ class _Plan:
     pack: Optional[Tuple[Columns, int]]  # (layout to pack from, new capacity) or None
 
 
-class BatchedKVCache(CacheContract):
+class BatchedKVCache(RowOffsets, CacheContract):
     """Rows of one serial attention kind; ``offset`` is the per-row position array.
 
     ``row_state`` holds per-row extras of a format (arrays indexed by row on axis 0)."""
@@ -53,11 +54,9 @@ class BatchedKVCache(CacheContract):
         self.fmt = fmt
         self.keys, self.values = keys, values  # tuples of [B, H, cap, X] arrays, or None
         self.cols = cols
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.row_minimum_reusable_offsets = np.asarray(min_reuse, dtype=np.int64)
+        self._init_rows(offsets, min_reuse)
         self.row_state = dict(row_state or {})
         self.dtype = dtype
-        self._offset_array = None
         if masks is not None:
             self.masks = masks
         st = fmt.storage
@@ -68,25 +67,6 @@ class BatchedKVCache(CacheContract):
     @property
     def kind(self) -> str:
         return self.fmt.batched_kind
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.offsets)
-
-    @property
-    def offset(self) -> mx.array:
-        """Each row's true position (mlx-lm's models pass it to RoPE as a vector offset)."""
-        if self._offset_array is None:
-            self._offset_array = mx.array(self.offsets.astype(np.int32))
-        return self._offset_array
-
-    def _set_offsets(self, offsets):
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self._offset_array = None
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return int(self.row_minimum_reusable_offsets.max(initial=0))
 
     @property
     def capacity(self) -> int:

@@ -164,3 +164,35 @@ def stored_mask(cols: Columns, lo: int) -> mx.array:
     w = mx.array(cols.w.astype(np.int32))[:, None]
     c = mx.arange(lo, cols.idx)[None, :]
     return ((c >= s) & (c < e)) | (c >= w)
+
+
+class RowOffsets:
+    """Per-row positions of a batched layout: host integers ``offsets`` (int64) and
+    ``row_minimum_reusable_offsets``, with ``offset`` as the int32 mx.array mlx-lm's models
+    hand to RoPE (built once per change)."""
+
+    def _init_rows(self, offsets, min_reuse=None):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.row_minimum_reusable_offsets = (
+            np.zeros_like(self.offsets) if min_reuse is None else np.asarray(min_reuse, dtype=np.int64)
+        )
+        self._offset_array = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's true position (mlx-lm's models pass it to RoPE as a vector offset)."""
+        if self._offset_array is None:
+            self._offset_array = mx.array(self.offsets.astype(np.int32))
+        return self._offset_array
+
+    def _set_offsets(self, offsets):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self._offset_array = None
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return int(self.row_minimum_reusable_offsets.max(initial=0))
