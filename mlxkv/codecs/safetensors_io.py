@@ -7,11 +7,13 @@ Peak extra memory is one tensor. Reader: every declared range is checked against
 before a byte of tensor data is touched; tensors are read one at a time from a memory map.
 """
 
+import functools
 import json
 import mmap
 import os
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -58,6 +60,11 @@ def crc32_hex(data) -> str:
     return f"{_crc32(data) & 0xFFFFFFFF:08x}"
 
 
+@functools.lru_cache(maxsize=None)
+def _checksum_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-crc")
+
+
 def array_buffer(a: mx.array) -> memoryview:
     """The row-major bytes of ``a`` (one contiguous copy at most)."""
     if a.dtype == mx.bfloat16:
@@ -101,8 +108,9 @@ def write_atomic(
             f.seek(8 + len(placeholder))
             for name, a in tensors:
                 buf = array_buffer(a)
-                crcs[name] = crc32_hex(buf)
+                crc = _checksum_pool().submit(crc32_hex, buf)  # overlaps the write
                 f.write(buf)
+                crcs[name] = crc.result()
                 done += buf.nbytes
                 del buf
                 if progress:
@@ -231,7 +239,7 @@ class TensorReader:
             view.release()
 
     def read(self, name: str, expected_crc: Optional[str] = None, rows: Optional[int] = None) -> mx.array:
-        """The tensor ``name``, its CRC-32 checked first when ``expected_crc`` is given.
+        """The tensor ``name``; with ``expected_crc`` its CRC-32 is verified before it is returned.
 
         ``rows`` (rank-4 tensors only) returns a [B, H, rows, D] array whose first T rows
         along axis 2 are the tensor and the rest zeros, written in one pass: the slack a
@@ -240,14 +248,10 @@ class TensorReader:
         info = self.header.tensors[name]
         mx_dtype, raw_dtype = DTYPES[info.dtype]
         view = self.raw(name)
+        # the CRC runs on a worker thread while this one copies (both release the GIL);
+        # a mismatch raises before the copy is handed to anyone
+        crc = None if expected_crc is None else _checksum_pool().submit(crc32_hex, view)
         try:
-            if expected_crc is not None:
-                got = crc32_hex(view)
-                if got != expected_crc:
-                    raise CorruptSnapshotError(
-                        f"{self.header.path}: checksum mismatch in tensor {name!r} "
-                        f"(stored {expected_crc}, computed {got}): the file is damaged"
-                    )
             data = np.frombuffer(view, dtype=raw_dtype).reshape(info.shape)
             if rows is None or len(info.shape) != 4 or rows <= info.shape[2]:
                 arr = mx.array(data)
@@ -258,7 +262,13 @@ class TensorReader:
                 np.asarray(arr)[:, :, :T, :] = data
             del data
         finally:
+            got = expected_crc if crc is None else crc.result()  # the worker lets go of view
             view.release()
+        if got != expected_crc:
+            raise CorruptSnapshotError(
+                f"{self.header.path}: checksum mismatch in tensor {name!r} "
+                f"(stored {expected_crc}, computed {got}): the file is damaged"
+            )
         if info.dtype == "BF16":
             arr = arr.view(mx.bfloat16)
         return arr.reshape(info.shape) if rows is None else arr
