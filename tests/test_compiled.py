@@ -1,0 +1,44 @@
+"""The kind-dispatched compiled-decode slot: same window as the ordinary read, loud errors."""
+
+import mlx.core as mx
+import pytest
+
+import mlxkv
+from mlxkv.inference.compiled import commit_decode, decode_slot
+from mlxkv.inference.schemes import parse_scheme
+
+
+def _filled(cache, T=12, seed=0):
+    k = mx.random.normal((1, 2, T, 64), key=mx.random.key(seed)).astype(mx.bfloat16)
+    v = mx.random.normal((1, 2, T, 64), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    cache.update_and_fetch(k, v)
+    return cache
+
+
+@pytest.mark.parametrize("make", [mlxkv.KVCache, lambda: mlxkv.TurboQuantKVCache(8, 3)], ids=["plain", "turbo"])
+def test_compiled_step_joins_the_window_the_ordinary_read_sees(make):
+    a, b = _filled(make()), _filled(make())
+    k = mx.random.normal((1, 2, 1, 64), key=mx.random.key(7)).astype(mx.bfloat16)
+    v = mx.random.normal((1, 2, 1, 64), key=mx.random.key(8)).astype(mx.bfloat16)
+    slot = decode_slot(a)
+    kw, vw, codes = mx.compile(slot.step)(slot.prefix_keys, slot.prefix_values, k, v)
+    mx.eval(commit_decode(a, codes))
+    rk, rv = b.update_and_fetch(k, v)
+    assert mx.array_equal(kw, rk) and mx.array_equal(vw, rv)
+    assert a.offset == b.offset == 13
+    assert all(mx.array_equal(x, y) for x, y in zip(a.dense_window(), b.dense_window()))
+
+
+def test_bf16_first_cache_converts_before_its_slot():
+    cache = parse_scheme("turbo-k8v3").build(0, {})
+    _filled(cache)
+    assert cache.kind == "kv:plain"
+    slot = decode_slot(cache)  # the conversion is due: the slot is TurboQuant's
+    assert cache.kind == "kv:turboquant:8:3" and slot.prefix_keys.shape[2] == 12
+
+
+def test_kinds_without_a_slot_are_named():
+    with pytest.raises(mlxkv.UnknownKindError, match="kv:rotating-plain"):
+        decode_slot(_filled(mlxkv.RotatingKVCache(32)))
+    with pytest.raises(mlxkv.UnknownKindError, match="kv:tova:16:2"):
+        commit_decode(mlxkv.TOVAKVCache(16, 2), None)
