@@ -22,6 +22,13 @@ def test_kinds_are_the_mlx_bun_signatures():
     assert mlxkv.ArraysCache(2).kind == "ssm"
 
 
+def test_meta_state_names_kind_and_offset():
+    c = mlxkv.KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    assert c.meta_state == ("kv:plain", "3")
+    assert mlxkv.RotatingQuantizedKVCache(8, bits=4).meta_state == ("kv:rotating-quant:4:64", "0")
+
+
 def test_bits_only_on_real_affine_layouts():
     assert not hasattr(mlxkv.KVCache(), "bits")
     assert not hasattr(mlxkv.RotatingKVCache(8), "bits")

@@ -32,6 +32,12 @@ class CacheContract(NamedReads):
         """Physical bytes one more token costs one row (0 while the geometry is unknown)."""
         return 0
 
+    @property
+    def meta_state(self) -> tuple:
+        """The scalars mlx-lm's older caches exposed as strings: identity and position.
+        (mlx-lm 0.32 keeps its scalars in ``state``; this stays for tools that read it.)"""
+        return (self.kind, str(self.offset))
+
     def dense_window(self):
         """The stored positions as dense (keys, values), or None when empty."""
         raise NotImplementedError
