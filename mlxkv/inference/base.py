@@ -1,7 +1,16 @@
 """What every mlxkv cache has beyond mlx-lm's cache API (DESIGN section 2)."""
 
+from ..errors import UnknownKindError
 from .masks import ForwardMasks
 from .reads import NamedReads
+
+
+def kind_of(cache) -> str:
+    """The cache's ``kind``; a cache that declares none is an error, never a guess."""
+    kind = getattr(cache, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise UnknownKindError(kind, f"{type(cache).__name__} declares no kind")
+    return kind
 
 
 class CacheContract(NamedReads):

@@ -12,6 +12,7 @@ no entry handles raises :class:`~mlxkv.errors.UnknownKindError` naming it.
 from typing import Callable, List, Sequence, Tuple
 
 from ..errors import CacheConfigError, MLXKVError, UnknownKindError
+from .base import kind_of
 from .batched_arrays import merge_arrays_rows
 from .batched_attention import merge_attention_rows
 from .batched_eviction import eviction_format, merge_eviction_rows
@@ -66,14 +67,7 @@ def register_row_layout(handles: Callable[[str], bool], merge: Callable, batched
     BATCHED_KINDS.append(batched_kind)
 
 
-def _kind(cache) -> str:
-    kind = getattr(cache, "kind", None)
-    if not isinstance(kind, str) or not kind:
-        raise UnknownKindError(kind, f"batched rows: {type(cache).__name__} declares no kind")
-    return kind
-
-
-def _is_batched_kind(kind: str) -> bool:
+def _is_batchedkind_of(kind: str) -> bool:
     return any(kind == k or (k.endswith(":") and kind.startswith(k)) for k in BATCHED_KINDS)
 
 
@@ -81,8 +75,8 @@ def is_row_batch(cache) -> bool:
     """Structural first (a batch can give rows back), then its kind must be a batched one."""
     if not hasattr(cache, "extract_row"):
         return False
-    kind = _kind(cache)
-    if not _is_batched_kind(kind):
+    kind = kind_of(cache)
+    if not _is_batchedkind_of(kind):
         raise UnknownKindError(kind, "batched rows: not a batched layout mlxkv knows")
     return True
 
@@ -90,7 +84,7 @@ def is_row_batch(cache) -> bool:
 def _require_batch(cache, what: str):
     if not is_row_batch(cache):
         raise MLXKVError(
-            f"{what} needs a batched cache (made by merge_rows), got a {_kind(cache)} cache"
+            f"{what} needs a batched cache (made by merge_rows), got a {kind_of(cache)} cache"
         )
 
 
@@ -132,9 +126,9 @@ def merge_rows(rows: Sequence):
         raise MLXKVError("merge_rows needs at least one row")
     for i, r in enumerate(rows):
         if hasattr(r, "extract_row"):
-            raise MLXKVError(f"row {i} is already a batch ({_kind(r)}): join batches with extend(batch, other)")
+            raise MLXKVError(f"row {i} is already a batch ({kind_of(r)}): join batches with extend(batch, other)")
     rows = [_settle(r, i) for i, r in enumerate(rows)]
-    kinds = [_kind(r) for r in rows]
+    kinds = [kind_of(r) for r in rows]
     merges = [_layout_for(k) for k in kinds]
     for i, k in enumerate(kinds):
         if k != kinds[0]:

@@ -16,6 +16,7 @@ from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
 from ..errors import UnknownKindError
+from ..inference.base import kind_of
 
 CODECS: List[Codec] = [
     PlainCodec(),
@@ -41,13 +42,6 @@ def _by_persisted() -> Dict[str, Codec]:
 
 def known_persisted_kinds() -> List[str]:
     return [c.persisted_kind for c in CODECS]
-
-
-def kind_of(cache) -> str:
-    kind = getattr(cache, "kind", None)
-    if not isinstance(kind, str) or not kind:
-        raise UnknownKindError(kind, f"{type(cache).__name__} declares no kind")
-    return kind
 
 
 def codec_for_kind(kind: str) -> Codec:
