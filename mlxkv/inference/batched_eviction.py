@@ -43,10 +43,6 @@ class EvictionRows(_Format):
         tail = f":{self.recent}" if self.policy == "qfilters" else ""
         return f"kv:{self.policy}:{self.budget}:{self.n_sink}{tail}"
 
-    @property
-    def batched_kind(self) -> str:
-        return self.serial_kind.replace("kv:", "kv:batched-", 1)
-
     def read(self, row):
         frozen = self.policy == "qfilters" and row.filter is not None
         extras = {"frozen": frozen, "calibrated": bool(getattr(row, "calibrated", False))}

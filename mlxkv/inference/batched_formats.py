@@ -127,6 +127,11 @@ class _Format:
     max_size: Optional[int] = None
     keep: int = 0
 
+    @property
+    def batched_kind(self) -> str:
+        """A row layout's own kind: ``kv:batched-`` plus the serial kind's tail."""
+        return self.serial_kind.replace("kv:", "kv:batched-", 1)
+
     def dtype_of(self, row):
         return None
 
@@ -141,11 +146,6 @@ class LinearRows(_Format):
     def serial_kind(self) -> str:
         s = self.storage
         return f"kv:quant:{s.bits}:{s.group_size}" if s.affine else "kv:plain"
-
-    @property
-    def batched_kind(self) -> str:
-        s = self.storage
-        return f"kv:batched-quant:{s.bits}:{s.group_size}" if s.affine else "kv:batched-plain"
 
     def read(self, row):
         n = row.offset
@@ -177,11 +177,6 @@ class RingRows(_Format):
         s = self.storage
         return f"kv:rotating-quant:{s.bits}:{s.group_size}" if s.affine else "kv:rotating-plain"
 
-    @property
-    def batched_kind(self) -> str:
-        s = self.storage
-        return f"kv:batched-rotating-quant:{s.bits}:{s.group_size}" if s.affine else "kv:batched-rotating-plain"
-
     def read(self, row):
         if row.keys is None or row.offset == 0:
             return None, None, 0, {}
@@ -208,10 +203,6 @@ class TurboRows(_Format):
     @property
     def serial_kind(self) -> str:
         return f"kv:turboquant:{self.storage.k_bits}:{self.storage.v_bits}"
-
-    @property
-    def batched_kind(self) -> str:
-        return f"kv:batched-turboquant:{self.storage.k_bits}:{self.storage.v_bits}"
 
     def dtype_of(self, row):
         return row.dtype if row.storage is not None else None
