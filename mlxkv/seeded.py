@@ -4,9 +4,6 @@ Used by the demo, the tests and the fixtures: a llama, a gemma3 with sliding-win
 and a hybrid (lfm2: convolution layers with recurrent state between attention layers).
 """
 
-import hashlib
-import json
-
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
@@ -73,11 +70,10 @@ def build_model(arch: str, seed: int = 0, dtype=mx.bfloat16, **overrides):
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     # Re-draw every weight from one key so the weights do not depend on init order.
-    key = mx.random.key(seed)
     params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
     new = []
-    for i, (name, p) in enumerate(params):
-        k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.split(key, len(params))[i]
+    for (name, p), k in zip(params, keys):
         scale = 1.0 if "norm" in name else 0.05
         val = (mx.random.normal(p.shape, key=k) * scale + (1.0 if "norm" in name and arch != "gemma3" else 0.0))
         new.append((name, val.astype(dtype)))
@@ -87,12 +83,6 @@ def build_model(arch: str, seed: int = 0, dtype=mx.bfloat16, **overrides):
     model.mlxkv_config = config
     model.mlxkv_model_id = f"seeded/{arch}@{seed}"
     return model
-
-
-def config_fingerprint(config: dict) -> str:
-    """sha256 over the canonical JSON of a model config (sorted keys, no spaces)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def prompt(n: int, seed: int = 1) -> list:

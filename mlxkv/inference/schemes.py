@@ -93,12 +93,18 @@ def scheme_for_pending(pending: dict) -> PendingConversion:
     return cache.pending
 
 
-def attention_geometry(model):
-    """(kv heads, head dim) of the model's attention layers, from its config; None if unknown."""
+def model_config(model) -> dict:
+    """The model's config: the seeded models' ``mlxkv_config``, else mlx-lm's ``args``."""
     cfg = getattr(model, "mlxkv_config", None)
     if cfg is None:
         args = getattr(model, "args", None)
         cfg = dict(vars(args)) if args is not None else {}
+    return cfg
+
+
+def attention_geometry(model):
+    """(kv heads, head dim) of the model's attention layers, from its config; None if unknown."""
+    cfg = model_config(model)
     heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     dim = cfg.get("head_dim")
     if dim is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from ..inference.schemes import attention_geometry, make_cache, model_config
+
 IDENTITY_FIELDS = {  # python keyword -> header field
     "model_id": "modelId",
     "config_fingerprint": "configFingerprint",
@@ -14,20 +16,12 @@ IDENTITY_FIELDS = {  # python keyword -> header field
 }
 
 
-def _config_of(model) -> dict:
-    cfg = getattr(model, "mlxkv_config", None)
-    if cfg is None:
-        args = getattr(model, "args", None)
-        cfg = dict(vars(args)) if args is not None else {}
-    return cfg
-
-
 def config_fingerprint(model_or_config) -> str:
     """sha256 hex of the canonical JSON of a model config (or of a config dict)."""
     import mlx.nn as nn
 
     plain_dict = isinstance(model_or_config, dict) and not isinstance(model_or_config, nn.Module)
-    cfg = model_or_config if plain_dict else _config_of(model_or_config)
+    cfg = model_or_config if plain_dict else model_config(model_or_config)
     text = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -41,7 +35,7 @@ def tokenizer_hash(tokenizer) -> str:
 
 def model_identity(model) -> dict:
     """The identity fields a snapshot of this model carries (ids mlxkv can derive)."""
-    cfg = _config_of(model)
+    cfg = model_config(model)
     model_id = getattr(model, "mlxkv_model_id", None) or cfg.get("_name_or_path") or cfg.get("model_type", "")
     return {"model_id": str(model_id), "config_fingerprint": config_fingerprint(cfg)}
 
@@ -54,6 +48,4 @@ class Geometry:
 
 
 def model_geometry(model) -> Geometry:
-    from ..inference.schemes import attention_geometry, make_cache  # state composes inference
-
     return Geometry(len(make_cache(model, "bf16")), *attention_geometry(model))
