@@ -260,7 +260,7 @@ def test_a_tampered_header_fails_the_load_before_any_tensor_is_read(tmp_path, ll
     forward(llama, caches, prompt(30, 1), [30])
     p = str(tmp_path / "t.safetensors")
     mlxkv.save(p, caches, prompt(30, 1))
-    from mlxkv.codecs import safetensors_io
+    from mlxkv.codecs.tensor_reader import TensorReader
     from mlxkv.state import snapshot
 
     real = snapshot._parse
@@ -276,7 +276,7 @@ def test_a_tampered_header_fails_the_load_before_any_tensor_is_read(tmp_path, ll
 
     reads = []
     monkeypatch.setattr(snapshot, "_parse", tamper)
-    monkeypatch.setattr(safetensors_io.TensorReader, "read", lambda *a, **k: reads.append(a) or None)
+    monkeypatch.setattr(TensorReader, "read_all", lambda *a, **k: reads.append(a) or None)
     with pytest.raises(CorruptSnapshotError, match="cache entry 2"):
         mlxkv.load(p)
     assert reads == []

@@ -149,12 +149,12 @@ def test_flipped_bit_in_the_header(saved):
 
 
 def test_unknown_kind_fails_before_any_tensor_is_read(saved, monkeypatch):
-    from mlxkv.codecs import safetensors_io
+    from mlxkv.codecs.tensor_reader import TensorReader
 
     path = saved[0]
     rewrite_header(path, lambda h: h["caches"][2].update(kind="kv-from-the-future"))
     reads = []
-    monkeypatch.setattr(safetensors_io.TensorReader, "read", lambda self, *a: reads.append(a))
+    monkeypatch.setattr(TensorReader, "read_all", lambda self, *a: reads.append(a))
     with pytest.raises(mlxkv.UnknownKindError, match="kv-from-the-future"):
         mlxkv.load(path)
     assert reads == []

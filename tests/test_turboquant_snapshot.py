@@ -8,7 +8,7 @@ from safetensors.numpy import load_file
 import mlxkv
 from mlxkv import CorruptSnapshotError, TurboQuantKVCache
 from mlxkv.codecs import turboquant_math as tq
-from mlxkv.codecs.safetensors_io import TensorReader
+from mlxkv.codecs.tensor_reader import TensorReader
 from mlxkv.inference.masks import ForwardMasks
 from mlxkv.inference.schemes import make_cache
 from mlxkv.seeded import prompt
@@ -117,7 +117,7 @@ def no_tensor_reads(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a tensor was read before the header was refused")
 
-    monkeypatch.setattr(TensorReader, "read", refuse)
+    monkeypatch.setattr(TensorReader, "read_all", refuse)
 
 
 def edit_entry(path, **changes):

@@ -1,15 +1,15 @@
-"""A streaming safetensors writer and a validating reader.
+"""A streaming safetensors writer and a validating header reader.
 
 Writer: the header's length is fixed before any tensor is written (checksums are
 fixed-width hex), so tensors stream to a temporary file one at a time, their CRC-32 taken
 on the way, and the header is written last; then fsync, rename, fsync of the directory.
-Peak extra memory is one tensor. Reader: every declared range is checked against the file
-before a byte of tensor data is touched; tensors are read one at a time from a memory map.
+Peak extra memory is one tensor. Header reader: every declared range is checked against
+the file before a byte of tensor data is touched (tensors are read by tensor_reader.py).
 """
 
+import ctypes
 import functools
 import json
-import mmap
 import os
 import struct
 import tempfile
@@ -22,10 +22,13 @@ import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
 
-try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD)
+try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD), and can combine two
     from zlib_ng.zlib_ng import crc32 as _crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
     from zlib import crc32 as _crc32
+
+    _crc32_combine = None
 
 # safetensors dtype name <-> (mlx dtype, numpy dtype of the raw bytes)
 DTYPES = {
@@ -61,12 +64,15 @@ def crc32_hex(data) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _checksum_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-crc")
+def _io_pool() -> ThreadPoolExecutor:
+    """The one helper thread: checksums while the caller writes, half of each read."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-io")
 
 
 def array_buffer(a: mx.array) -> memoryview:
     """The row-major bytes of ``a`` (one contiguous copy at most)."""
+    if a.size == 0:
+        return memoryview(b"")
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     a = mx.contiguous(a)
@@ -78,6 +84,49 @@ def _header_bytes(entries: Dict[str, dict], metadata: Dict[str, str]) -> bytes:
     doc = {"__metadata__": metadata, **entries}
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
     return raw + b" " * (-len(raw) % 8)
+
+
+def _sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: the final fsync does all the writing
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing ``nbytes`` at ``offset`` to the disk now, without
+    waiting, so the device works while the next tensors are produced and the final fsync
+    finds little left (256 MiB: median save 143 ms instead of 172 ms on the benchmark VM)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; advice only: no check
+
+
+def _release_cached_pages(path: str) -> None:
+    """Drop the page cache of the file about to be replaced (its bytes on disk stay).
+
+    Its cached pages are garbage once the replacement lands; released first, they are what
+    the new file's pages are taken from, instead of pages the system must find afresh while
+    the old copy is still cached. On the benchmark VM that avoided 4 in 20 saves of 256 MiB
+    taking 3.5x as long (535-630 ms against 150-200 ms).
+    """
+    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - macOS
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # nothing there yet (or not ours to read): nothing to release
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:  # pragma: no cover - advice only
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_atomic(
@@ -101,6 +150,7 @@ def write_atomic(
     placeholder = _header_bytes(entries, build_metadata({n: CRC_PLACEHOLDER for n in entries}))
 
     directory = os.path.dirname(os.path.abspath(path))
+    _release_cached_pages(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
         crcs, done = {}, 0
@@ -108,8 +158,11 @@ def write_atomic(
             f.seek(8 + len(placeholder))
             for name, a in tensors:
                 buf = array_buffer(a)
-                crc = _checksum_pool().submit(crc32_hex, buf)  # overlaps the write
+                crc = _io_pool().submit(crc32_hex, buf)  # overlaps the write
                 f.write(buf)
+                if fsync:
+                    f.flush()
+                    _start_writeback(f.fileno(), f.tell() - buf.nbytes, buf.nbytes)
                 crcs[name] = crc.result()
                 done += buf.nbytes
                 del buf
@@ -215,71 +268,3 @@ def read_safetensors_header(path: str) -> SafetensorsHeader:
             f"{path}: {size - data_start - pos:+d} bytes after the last tensor: truncated or damaged file"
         )
     return SafetensorsHeader(path, meta, tensors, data_start, size)
-
-
-class TensorReader:
-    """Reads tensors of one checked file one at a time, verifying CRC-32 when asked."""
-
-    def __init__(self, header: SafetensorsHeader):
-        self.header = header
-        self._file = open(header.path, "rb")
-        self._map = (
-            mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
-        )
-
-    def raw(self, name: str) -> memoryview:
-        info = self.header.tensors[name]
-        return memoryview(self._map)[info.begin : info.end]
-
-    def checksum(self, name: str) -> str:
-        view = self.raw(name)
-        try:
-            return crc32_hex(view)
-        finally:
-            view.release()
-
-    def read(self, name: str, expected_crc: Optional[str] = None, rows: Optional[int] = None) -> mx.array:
-        """The tensor ``name``; with ``expected_crc`` its CRC-32 is verified before it is returned.
-
-        ``rows`` (rank-4 tensors only) returns a [B, H, rows, D] array whose first T rows
-        along axis 2 are the tensor and the rest zeros, written in one pass: the slack a
-        growing cache wants, without a second copy of the data.
-        """
-        info = self.header.tensors[name]
-        mx_dtype, raw_dtype = DTYPES[info.dtype]
-        view = self.raw(name)
-        # the CRC runs on a worker thread while this one copies (both release the GIL);
-        # a mismatch raises before the copy is handed to anyone
-        crc = None if expected_crc is None else _checksum_pool().submit(crc32_hex, view)
-        try:
-            data = np.frombuffer(view, dtype=raw_dtype).reshape(info.shape)
-            if rows is None or len(info.shape) != 4 or rows <= info.shape[2]:
-                arr = mx.array(data)
-            else:
-                B, H, T, D = info.shape
-                arr = mx.zeros((B, H, rows, D), _RAW_MX[info.dtype])
-                mx.eval(arr)  # a fresh buffer of our own: fill its first T rows in place
-                np.asarray(arr)[:, :, :T, :] = data
-            del data
-        finally:
-            got = expected_crc if crc is None else crc.result()  # the worker lets go of view
-            view.release()
-        if got != expected_crc:
-            raise CorruptSnapshotError(
-                f"{self.header.path}: checksum mismatch in tensor {name!r} "
-                f"(stored {expected_crc}, computed {got}): the file is damaged"
-            )
-        if info.dtype == "BF16":
-            arr = arr.view(mx.bfloat16)
-        return arr.reshape(info.shape) if rows is None else arr
-
-    def close(self):
-        if self._map is not None:
-            self._map.close()
-        self._file.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -25,7 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..codecs.safetensors_io import TensorReader, read_safetensors_header
+from ..codecs.safetensors_io import read_safetensors_header
+from ..codecs.tensor_reader import TensorReader
 from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
 from ..inference.arrays import ArraysCache
 from ..inference.masks import ForwardMasks

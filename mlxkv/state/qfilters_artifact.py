@@ -19,7 +19,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..codecs.safetensors_io import TensorReader, read_safetensors_header, write_atomic
+from ..codecs.safetensors_io import read_safetensors_header, write_atomic
+from ..codecs.tensor_reader import TensorReader
 from ..errors import (
     CorruptSnapshotError,
     FormatVersionError,

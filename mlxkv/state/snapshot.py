@@ -15,12 +15,12 @@ import mlx.core as mx
 
 from ..codecs.safetensors_io import (
     SafetensorsHeader,
-    TensorReader,
     crc32_hex,
     dtype_name,
     read_safetensors_header,
     write_atomic,
 )
+from ..codecs.tensor_reader import TensorReader
 from ..errors import (
     CorruptSnapshotError,
     EmptyCacheError,
@@ -282,24 +282,23 @@ def load(
         _check_geometry(path, header, model)
 
     masks = ForwardMasks()
-    caches, done, total = [], 0, st.file_size - st.data_start
+    entries = [(entry, codec_for_persisted(entry["kind"])) for entry in header["caches"]]
     with TensorReader(st) as reader:
-        for entry in header["caches"]:
-            codec = codec_for_persisted(entry["kind"])
-            rows, tensors = codec.capacity(entry), {}
-            for t in entry["tensors"]:
-                tensors[t["slot"]] = reader.read(t["name"], t["crc32"] if verify else None, rows)
-                done += st.tensors[t["name"]].end - st.tensors[t["name"]].begin
-                if progress:
-                    progress(done, total)
-            cache = codec.decode(entry, tensors)
-            mx.eval(cache.state)  # materialize now: peak extra memory stays one cache's tensors
-            del tensors
-            cache.minimum_reusable_offset = entry["minimumReusableOffset"]
-            if "pendingConversion" in entry:
-                cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
-            cache.masks = masks
-            caches.append(cache)
+        requests = [
+            (t["name"], t["crc32"] if verify else None, codec.capacity(entry))
+            for entry, codec in entries
+            for t in entry["tensors"]
+        ]
+        arrays = reader.read_all(requests, progress)
+    caches = []
+    for entry, codec in entries:
+        cache = codec.decode(entry, {t["slot"]: arrays.pop(t["name"]) for t in entry["tensors"]})
+        mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
+        cache.minimum_reusable_offset = entry["minimumReusableOffset"]
+        if "pendingConversion" in entry:
+            cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
+        cache.masks = masks
+        caches.append(cache)
     return Snapshot(caches, list(header["tokens"]), header, path)
 
 
