@@ -261,7 +261,7 @@ def test_save_killed_mid_write_leaves_the_previous_snapshot(saved):
     assert all(f.endswith(".tmp") and f.startswith(".") for f in leftovers)
 
 
-def test_peak_extra_memory_is_per_tensor_not_per_cache(tmp_path):
+def test_peak_extra_memory_saving_one_tensor_loading_none(tmp_path):
     caches = []
     for _ in range(8):
         c = mlxkv.KVCache()
@@ -284,7 +284,7 @@ def test_peak_extra_memory_is_per_tensor_not_per_cache(tmp_path):
     load_extra = mx.get_peak_memory() - mx.get_active_memory()
     assert snap.caches[7].offset == 1000
     assert save_extra < 3 * tensor < total / 4
-    assert load_extra < 3 * tensor
+    assert load_extra < tensor / 8  # arrays are read into in place: nothing beside them
 
 
 def test_slots_of_the_wrong_rank_are_refused(saved):
