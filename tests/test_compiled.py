@@ -15,17 +15,32 @@ def _filled(cache, T=12, seed=0):
     return cache
 
 
-@pytest.mark.parametrize("make", [mlxkv.KVCache, lambda: mlxkv.TurboQuantKVCache(8, 3)], ids=["plain", "turbo"])
+def _same(x, y):
+    """Equal arrays, or equal tuples of arrays (the affine layout)."""
+    if isinstance(x, tuple):
+        return len(x) == len(y) and all(mx.array_equal(p, q).item() for p, q in zip(x, y))
+    return mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [mlxkv.KVCache, lambda: mlxkv.QuantizedKVCache(32, 4), lambda: mlxkv.TurboQuantKVCache(8, 3)],
+    ids=["plain", "affine", "turbo"],
+)
 def test_compiled_step_joins_the_window_the_ordinary_read_sees(make):
     a, b = _filled(make()), _filled(make())
-    k = mx.random.normal((1, 2, 1, 64), key=mx.random.key(7)).astype(mx.bfloat16)
-    v = mx.random.normal((1, 2, 1, 64), key=mx.random.key(8)).astype(mx.bfloat16)
-    slot = decode_slot(a)
-    kw, vw, codes = mx.compile(slot.step)(slot.prefix_keys, slot.prefix_values, k, v)
-    mx.eval(commit_decode(a, codes))
-    rk, rv = b.update_and_fetch(k, v)
-    assert mx.array_equal(kw, rk) and mx.array_equal(vw, rv)
-    assert a.offset == b.offset == 13
+    step = None
+    for i in range(3):  # consecutive steps reuse one traced function
+        k = mx.random.normal((1, 2, 1, 64), key=mx.random.key(7 + 2 * i)).astype(mx.bfloat16)
+        v = mx.random.normal((1, 2, 1, 64), key=mx.random.key(8 + 2 * i)).astype(mx.bfloat16)
+        slot = decode_slot(a)
+        assert step is None or slot.step is step
+        step = slot.step
+        kw, vw, codes = mx.compile(slot.step)(slot.prefix_keys, slot.prefix_values, k, v)
+        mx.eval(commit_decode(a, codes))
+        rk, rv = b.update_and_fetch(k, v)
+        assert _same(kw, rk) and _same(vw, rv)
+    assert a.offset == b.offset == 15
     assert all(mx.array_equal(x, y) for x, y in zip(a.dense_window(), b.dense_window()))
 
 
