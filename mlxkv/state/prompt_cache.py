@@ -219,10 +219,9 @@ class _LayerContext:
 # -- reading --------------------------------------------------------------------------
 
 
-def _scalar_value(reader, name, kind, where):
+def _scalar_value(a, name, kind, where):
     if kind == "none":
         return None
-    a = reader.read(name)
     if kind == "string":
         return "".join(chr(int(c)) for c in a.tolist())
     if a.ndim != 0:
@@ -277,24 +276,25 @@ def read_prompt_cache(path: str, tokens: Optional[Sequence[int]] = None) -> Prom
 
     caches, masks, found_scalars = [], ForwardMasks(), {}
     with TensorReader(st) as reader:
-        for i, cls in enumerate(classes):
-            ctx = _LayerContext(path, i, cls, per_layer[i])
-            values = {}
-            for rest in sorted(per_layer[i]):
-                name = f"{i}.{rest}"
-                kind = scalars.get(name)
-                if kind is not None:
-                    values[rest] = found_scalars[name] = _scalar_value(reader, name, kind, ctx.where)
-                elif rest in SCALAR_PATHS[cls]:
-                    raise CorruptSnapshotError(f"{ctx.where}: state entry {rest} must be a scalar")
-                else:
-                    values[rest] = reader.read(name)
-            for p in SCALAR_PATHS[cls]:
-                if not isinstance(values[p], int) or isinstance(values[p], bool) or values[p] < 0:
-                    raise CorruptSnapshotError(f"{ctx.where}: state entry {p} must be a non-negative integer")
-            cache = CONVERTERS[cls](values, ctx)
-            cache.masks = masks
-            caches.append(cache)
+        arrays = reader.read_all((name, None, None) for name in st.tensors)  # one pass over the file
+    for i, cls in enumerate(classes):
+        ctx = _LayerContext(path, i, cls, per_layer[i])
+        values = {}
+        for rest in sorted(per_layer[i]):
+            name = f"{i}.{rest}"
+            kind = scalars.get(name)
+            if kind is not None:
+                values[rest] = found_scalars[name] = _scalar_value(arrays.pop(name), name, kind, ctx.where)
+            elif rest in SCALAR_PATHS[cls]:
+                raise CorruptSnapshotError(f"{ctx.where}: state entry {rest} must be a scalar")
+            else:
+                values[rest] = arrays.pop(name)
+        for p in SCALAR_PATHS[cls]:
+            if not isinstance(values[p], int) or isinstance(values[p], bool) or values[p] < 0:
+                raise CorruptSnapshotError(f"{ctx.where}: state entry {p} must be a non-negative integer")
+        cache = CONVERTERS[cls](values, ctx)
+        cache.masks = masks
+        caches.append(cache)
 
     offsets = {c.offset for c in caches if not isinstance(c, ArraysCache)}
     if len(offsets) > 1:
