@@ -23,12 +23,11 @@ import numpy as np
 from ..errors import CorruptSnapshotError, SnapshotError
 
 try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD), and can combine two
-    from zlib_ng.zlib_ng import crc32 as _crc32
-    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
+    from zlib_ng.zlib_ng import crc32, crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
-    from zlib import crc32 as _crc32
+    from zlib import crc32
 
-    _crc32_combine = None
+    crc32_combine = None
 
 # safetensors dtype name <-> (mlx dtype, numpy dtype of the raw bytes)
 DTYPES = {
@@ -60,11 +59,11 @@ def dtype_name(a: mx.array) -> str:
 
 def crc32_hex(data) -> str:
     """CRC-32 (zlib's) as 8 lowercase hex digits."""
-    return f"{_crc32(data) & 0xFFFFFFFF:08x}"
+    return f"{crc32(data) & 0xFFFFFFFF:08x}"
 
 
 @functools.lru_cache(maxsize=None)
-def _io_pool() -> ThreadPoolExecutor:
+def io_pool() -> ThreadPoolExecutor:
     """The one helper thread: checksums while the caller writes, half of each read."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-io")
 
@@ -80,7 +79,7 @@ def array_buffer(a: mx.array) -> memoryview:
     return memoryview(np.asarray(a)).cast("B")
 
 
-def _header_bytes(entries: Dict[str, dict], metadata: Dict[str, str]) -> bytes:
+def header_bytes(entries: Dict[str, dict], metadata: Dict[str, str]) -> bytes:
     doc = {"__metadata__": metadata, **entries}
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
     return raw + b" " * (-len(raw) % 8)
@@ -147,7 +146,7 @@ def write_atomic(
         entries[name] = {"dtype": dtype_name(a), "shape": list(a.shape), "data_offsets": [start, start + n]}
         start += n
     total = start
-    placeholder = _header_bytes(entries, build_metadata({n: CRC_PLACEHOLDER for n in entries}))
+    placeholder = header_bytes(entries, build_metadata({n: CRC_PLACEHOLDER for n in entries}))
 
     directory = os.path.dirname(os.path.abspath(path))
     _release_cached_pages(path)
@@ -158,7 +157,7 @@ def write_atomic(
             f.seek(8 + len(placeholder))
             for name, a in tensors:
                 buf = array_buffer(a)
-                crc = _io_pool().submit(crc32_hex, buf)  # overlaps the write
+                crc = io_pool().submit(crc32_hex, buf)  # overlaps the write
                 f.write(buf)
                 if fsync:
                     f.flush()
@@ -168,7 +167,7 @@ def write_atomic(
                 del buf
                 if progress:
                     progress(done, total)
-            header = _header_bytes(entries, build_metadata(crcs))
+            header = header_bytes(entries, build_metadata(crcs))
             if len(header) != len(placeholder):  # pragma: no cover - guarded by fixed widths
                 raise SnapshotError("internal error: header length changed while writing")
             f.seek(0)

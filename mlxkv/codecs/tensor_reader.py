@@ -17,12 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
-from .safetensors_io import DTYPES, SafetensorsHeader, TensorInfo, _crc32, _crc32_combine, _header_bytes, _io_pool
+from .safetensors_io import DTYPES, SafetensorsHeader, TensorInfo, crc32, crc32_combine, header_bytes, io_pool
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
 _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads
-_CHUNK = 512 << 10  # read, then checksum while still in cache (measured best of 64 KiB-4 MiB)
-_PARALLEL = _crc32_combine is not None and hasattr(os, "preadv")
+_CHUNK = 512 << 10  # read, then checksum while still in cache (measured best of 64 KiB-8 MiB)
+_PARALLEL = crc32_combine is not None and hasattr(os, "preadv")
 
 Piece = Tuple[memoryview, int]  # destination, file offset
 Request = Tuple[str, Optional[str], Optional[int]]  # name, expected CRC-32 (or None), rows
@@ -72,7 +72,7 @@ def _read_and_checksum(fd: int, pieces: List[Piece], crc: int = 0) -> Tuple[int,
         got = _pread_into(fd, views, offset)
         total, left = total + got, got
         for v in views:
-            crc = _crc32(v[: min(len(v), left)], crc)
+            crc = crc32(v[: min(len(v), left)], crc)
             left -= min(len(v), left)
         if got < sum(len(v) for v in views):
             break  # end of file
@@ -126,10 +126,10 @@ class _Target:
             # the helper reads the second half; waited for here, so no read outlives the call
             # that lent us the array's memory
             first, second = _split(pieces, total // 2)
-            helper = _io_pool().submit(_read_and_checksum, fd, second)
+            helper = io_pool().submit(_read_and_checksum, fd, second)
             crc_a, got_a = _read_and_checksum(fd, first, self.crc)
             crc_b, got_b = helper.result()
-            self.crc, got = _crc32_combine(crc_a, crc_b, got_b), got_a + got_b
+            self.crc, got = crc32_combine(crc_a, crc_b, got_b), got_a + got_b
         else:
             self.crc, got = _read_and_checksum(fd, pieces, self.crc)
         self.bytes_read += got
@@ -162,7 +162,7 @@ class _LoadStream(io.RawIOBase):
                 self.spans.append((pos, t))
             pos += t.nbytes
         self.starts = np.array([s for s, _ in self.spans], dtype=np.int64)
-        raw = _header_bytes(entries, {})
+        raw = header_bytes(entries, {})
         self.head = struct.pack("<Q", len(raw)) + raw
         self.size = len(self.head) + pos
         self.pos, self.error, self.done = 0, None, 0
@@ -221,8 +221,9 @@ class TensorReader:
         ``progress(done_bytes, total_bytes)`` is called after each tensor, possibly from
         MLX's loader thread.
         """
+        wanted = {name: (crc, rows) for name, crc, rows in requests}  # a name asked twice is read once
         targets = sorted(
-            (_Target(self.header.tensors[name], crc, rows) for name, crc, rows in requests),
+            (_Target(self.header.tensors[name], crc, rows) for name, (crc, rows) in wanted.items()),
             key=lambda t: t.info.begin,
         )
         if not targets:
@@ -251,7 +252,7 @@ class TensorReader:
             got = _pread_into(self._file.fileno(), [view], pos)
             if got < len(view):
                 raise CorruptSnapshotError(f"{self.header.path}: truncated while verifying tensor {name!r}")
-            crc, pos = _crc32(view, crc), pos + got
+            crc, pos = crc32(view, crc), pos + got
         return f"{crc & 0xFFFFFFFF:08x}"
 
     def close(self):
