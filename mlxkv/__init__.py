@@ -11,6 +11,7 @@ from .errors import (
     RowIndexError,
     SchemeError,
     SnapshotError,
+    SnapshotWriteError,
     UnknownKindError,
 )
 from .inference.arrays import ArraysCache

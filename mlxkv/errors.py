@@ -55,5 +55,10 @@ class GeometryMismatchError(SnapshotError):
     """Layer count or head geometry of a snapshot disagrees with the model."""
 
 
+class SnapshotWriteError(SnapshotError, OSError):
+    """The file system refused the write (no such directory, no permission, disk full): an
+    ``OSError`` too, with its ``errno``. Whatever was at the path is unchanged."""
+
+
 class EmptyCacheError(SnapshotError):
     """Asked to snapshot caches that hold no tokens."""

@@ -231,6 +231,29 @@ def test_failed_save_keeps_the_previous_snapshot(saved):
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # temp file removed
 
 
+def test_a_write_the_file_system_refuses_is_ours_and_an_oserror(saved, monkeypatch, tmp_path):
+    import errno
+
+    from mlxkv.codecs import safetensors_io
+
+    path, model, caches, tokens = saved
+    with pytest.raises(mlxkv.SnapshotWriteError, match="cannot create a file in") as e:
+        mlxkv.save(str(tmp_path / "no-such-dir" / "s.safetensors"), caches, tokens)
+    assert isinstance(e.value, OSError) and e.value.errno == errno.ENOENT
+
+    before = open(path, "rb").read()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors_io.os, "fsync", full)
+    with pytest.raises(mlxkv.SnapshotWriteError, match="No space left.*unchanged") as e:
+        mlxkv.save(path, caches, tokens)
+    assert e.value.errno == errno.ENOSPC
+    assert open(path, "rb").read() == before
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+
 WRITER = r"""
 import sys, time, mlx.core as mx, mlxkv
 caches = []

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..errors import CorruptSnapshotError, SnapshotError
+from ..errors import CorruptSnapshotError, SnapshotError, SnapshotWriteError
 
 try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD), and can combine two
     from zlib_ng.zlib_ng import crc32, crc32_combine
@@ -150,7 +150,10 @@ def write_atomic(
 
     directory = os.path.dirname(os.path.abspath(path))
     _release_cached_pages(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    except OSError as e:
+        raise _write_error(path, e, f"cannot create a file in {directory}") from e
     try:
         crcs, done = {}, 0
         with os.fdopen(fd, "wb") as f:
@@ -177,19 +180,31 @@ def write_atomic(
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):
+            raise _write_error(path, e, "cannot write the snapshot") from e
         raise
     if fsync:
-        dfd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            raise SnapshotWriteError(
+                e.errno, f"{path}: written, but syncing {directory} failed ({e.strerror or e}): "
+                "the rename may not survive a crash"
+            ) from e
     return crcs
+
+
+def _write_error(path: str, e: OSError, what: str) -> SnapshotWriteError:
+    return SnapshotWriteError(e.errno, f"{path}: {what} ({e.strerror or e}); the file there, if any, is unchanged")
 
 
 @dataclass
