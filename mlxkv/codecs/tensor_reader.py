@@ -208,7 +208,10 @@ class TensorReader:
 
     def __init__(self, header: SafetensorsHeader):
         self.header = header
-        self._file = open(header.path, "rb")
+        try:
+            self._file = open(header.path, "rb")
+        except OSError as e:  # gone or locked since its header was read
+            raise SnapshotError(f"{header.path}: cannot read: {e}") from e
 
     def read_all(
         self, requests: Iterable[Request], progress: Optional[Callable[[int, int], None]] = None
