@@ -193,7 +193,7 @@ def test_predicates_are_string_compares():
     class NoKind:
         offset = 0
 
-    with pytest.raises(mlxkv.UnknownKindError, match="declares no kind"):
+    with pytest.raises(mlxkv.UnknownKindError, match="declares no kind; build mlxkv caches with mlxkv.make_cache"):
         mlxkv.is_plain_kv_cache(NoKind())
 
 

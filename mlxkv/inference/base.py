@@ -9,7 +9,11 @@ def kind_of(cache) -> str:
     """The cache's ``kind``; a cache that declares none is an error, never a guess."""
     kind = getattr(cache, "kind", None)
     if not isinstance(kind, str) or not kind:
-        raise UnknownKindError(kind, f"{type(cache).__name__} declares no kind")
+        raise UnknownKindError(
+            kind,
+            f"{type(cache).__name__} declares no kind; build mlxkv caches with "
+            "mlxkv.make_cache(model, scheme), or convert an mlx-lm prompt-cache file with `mlxkv convert`",
+        )
     return kind
 
 
