@@ -249,13 +249,12 @@ class TensorReader:
         """CRC-32 of the stored bytes of ``name``, read in chunks into one reused buffer."""
         info = self.header.tensors[name]
         buf = memoryview(bytearray(min(_CHUNK, info.end - info.begin)))
-        crc, pos = 0, info.begin
-        while pos < info.end:
+        crc = 0
+        for pos in range(info.begin, info.end, _CHUNK):
             view = buf[: min(len(buf), info.end - pos)]
-            got = _pread_into(self._file.fileno(), [view], pos)
+            crc, got = _read_and_checksum(self._file.fileno(), [(view, pos)], crc)
             if got < len(view):
                 raise CorruptSnapshotError(f"{self.header.path}: truncated while verifying tensor {name!r}")
-            crc, pos = crc32(view, crc), pos + got
         return f"{crc & 0xFFFFFFFF:08x}"
 
     def close(self):
