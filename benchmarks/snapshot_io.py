@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
 import mlxkv  # noqa: E402
-from mlxkv.codecs.safetensors_io import read_safetensors_header  # noqa: E402
-from mlxkv.codecs.tensor_reader import TensorReader  # noqa: E402
+from mlxkv.io.safetensors import read_safetensors_header  # noqa: E402
+from mlxkv.io.tensor_reader import TensorReader  # noqa: E402
 
 
 def build_arrays(layers, heads, tokens, dim):

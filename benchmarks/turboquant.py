@@ -32,8 +32,8 @@ sys.path.insert(0, ROOT)
 import mlx.core as mx  # noqa: E402
 
 from mlxkv import KVCache, TurboQuantKVCache  # noqa: E402
-from mlxkv.codecs import turboquant_math as tq  # noqa: E402
-from mlxkv.inference.schemes import make_cache  # noqa: E402
+from mlxkv.math import turboquant as tq  # noqa: E402
+from mlxkv.caches.schemes import make_cache  # noqa: E402
 from mlxkv.seeded import build_model, prompt  # noqa: E402
 
 PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]

@@ -14,16 +14,16 @@ from .errors import (
     SnapshotWriteError,
     UnknownKindError,
 )
-from .inference.arrays import ArraysCache
-from .inference.batched import extend, extend_model_rows, extract_model_row, extract_row, filter_model_rows, filter_rows, merge_model_rows, merge_rows  # noqa: E501
-from .inference.plain import KVCache
-from .inference.qfilters import QFiltersKVCache
-from .inference.quantized import QuantizedKVCache
-from .inference.rotating import RotatingKVCache, RotatingQuantizedKVCache
-from .inference.schemes import make_cache
-from .inference.tova import TOVAKVCache
-from .inference.transition import Bf16FirstCache
-from .inference.turboquant import TurboQuantKVCache
+from .caches.arrays import ArraysCache
+from .batched.rows import extend, extend_model_rows, extract_model_row, extract_row, filter_model_rows, filter_rows, merge_model_rows, merge_rows  # noqa: E501
+from .caches.plain import KVCache
+from .caches.qfilters import QFiltersKVCache
+from .caches.quantized import QuantizedKVCache
+from .caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
+from .caches.schemes import make_cache
+from .caches.tova import TOVAKVCache
+from .caches.transition import Bf16FirstCache
+from .caches.turboquant import TurboQuantKVCache
 from .state.kinds import (
     is_eviction_cache,
     is_plain_kv_cache,

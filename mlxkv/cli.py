@@ -97,7 +97,7 @@ def layers_by_kind(kinds: List[str]) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .codecs.safetensors_io import read_safetensors_header
+    from .io.safetensors import read_safetensors_header
     from .state.snapshot import read_header
 
     header = read_header(args.file)
@@ -191,7 +191,7 @@ def cmd_convert(args) -> int:
 
 def _scheme_available(scheme: str) -> bool:
     from .errors import SchemeError
-    from .inference.schemes import parse_scheme
+    from .caches.schemes import parse_scheme
 
     try:
         parse_scheme(scheme)

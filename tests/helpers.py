@@ -3,7 +3,7 @@
 import json
 import struct
 
-from mlxkv.codecs.safetensors_io import crc32_hex
+from mlxkv.io.safetensors import crc32_hex
 
 
 def read_raw(path):

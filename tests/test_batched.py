@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import mlxkv
-from mlxkv.inference.batched import BATCHED_KINDS, ROW_LAYOUTS
-from mlxkv.inference.schemes import make_cache
+from mlxkv.batched.rows import BATCHED_KINDS, ROW_LAYOUTS
+from mlxkv.caches.schemes import make_cache
 from mlxkv.state.kinds import codec_for_kind
 from mlxkv.seeded import prompt
 
@@ -294,7 +294,7 @@ def test_one_mask_per_forward_shared_with_the_rows(models):
 
 def test_repacking_after_many_appends_keeps_rows_exact(models, monkeypatch):
     """A tiny slack forces the buffer to be packed again and again (rings evict meanwhile)."""
-    from mlxkv.inference.batched_attention import BatchedKVCache
+    from mlxkv.batched.attention import BatchedKVCache
 
     monkeypatch.setattr(BatchedKVCache, "step", 3)
     for case in ("ring-keep", "plain"):

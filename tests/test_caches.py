@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
-from mlxkv.inference.schemes import make_cache
+from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt, tokenizer
 
 from conftest import greedy, run

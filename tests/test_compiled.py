@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 
 import mlxkv
-from mlxkv.inference.compiled import commit_decode, decode_slot
-from mlxkv.inference.schemes import parse_scheme
+from mlxkv.caches.compiled import commit_decode, decode_slot
+from mlxkv.caches.schemes import parse_scheme
 
 
 def _filled(cache, T=12, seed=0):

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlxkv
-from mlxkv.inference.qfilters_calibration import calibrate
+from mlxkv.caches.qfilters_calibration import calibrate
 from mlxkv.seeded import build_model, prompt
 
 

@@ -11,7 +11,7 @@ import mlxkv
 from mlxkv.codecs.qfilters import QFiltersCodec
 from mlxkv.codecs.tova import TOVACodec
 from mlxkv.errors import CorruptSnapshotError, GeometryMismatchError
-from mlxkv.inference.qfilters_calibration import calibrate
+from mlxkv.caches.qfilters_calibration import calibrate
 from mlxkv.seeded import build_model, prompt
 
 N_TOKENS = 70
@@ -260,7 +260,7 @@ def test_a_tampered_header_fails_the_load_before_any_tensor_is_read(tmp_path, ll
     forward(llama, caches, prompt(30, 1), [30])
     p = str(tmp_path / "t.safetensors")
     mlxkv.save(p, caches, prompt(30, 1))
-    from mlxkv.codecs.tensor_reader import TensorReader
+    from mlxkv.io.tensor_reader import TensorReader
     from mlxkv.state import snapshot
 
     real = snapshot._parse

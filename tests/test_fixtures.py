@@ -21,7 +21,7 @@ import pytest
 
 import mlxkv
 from mlxkv import errors
-from mlxkv.inference.transition import Bf16FirstCache
+from mlxkv.caches.transition import Bf16FirstCache
 from mlxkv.seeded import build_model
 from mlxkv.state.kinds import codec_for_kind, known_persisted_kinds
 
@@ -106,7 +106,7 @@ def test_every_registered_persisted_kind_has_a_fixture():
 
 
 def test_typescript_reader_embeds_the_package_turboquant_constants():
-    package = Path(mlxkv.__file__).parent / "codecs" / "turboquant_constants.json"
+    package = Path(mlxkv.__file__).parent / "math" / "turboquant_constants.json"
     assert (ROOT / "ts" / "turboquant-constants.json").read_bytes() == package.read_bytes()
 
 

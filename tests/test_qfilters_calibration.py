@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from mlxkv import CacheConfigError, QFiltersKVCache, make_cache
-from mlxkv.codecs.safetensors_io import write_atomic
+from mlxkv.io.safetensors import write_atomic
 from mlxkv.errors import CorruptSnapshotError, FormatVersionError, GeometryMismatchError, IdentityMismatchError
-from mlxkv.inference.qfilters import key_svd_filter
-from mlxkv.inference.qfilters_calibration import (
+from mlxkv.caches.qfilters import key_svd_filter
+from mlxkv.caches.qfilters_calibration import (
     QFiltersCalibration,
     average_gqa_filters,
     calibrate,

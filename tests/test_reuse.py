@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import mlxkv
-from mlxkv.inference.schemes import make_cache
+from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt
 from mlxkv.state.reuse import reuse_prefix, usable_prefix
 

@@ -13,7 +13,7 @@ import pytest
 
 import mlxkv
 from mlxkv.errors import CacheConfigError, CorruptSnapshotError, SchemeError, SnapshotError
-from mlxkv.inference.schemes import parse_scheme
+from mlxkv.caches.schemes import parse_scheme
 from mlxkv.seeded import prompt
 from mlxkv.state.session import Sampler, Session
 

@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 import mlxkv
-from mlxkv.inference.schemes import make_cache
+from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt
 
 from conftest import greedy, run
@@ -149,7 +149,7 @@ def test_flipped_bit_in_the_header(saved):
 
 
 def test_unknown_kind_fails_before_any_tensor_is_read(saved, monkeypatch):
-    from mlxkv.codecs.tensor_reader import TensorReader
+    from mlxkv.io.tensor_reader import TensorReader
 
     path = saved[0]
     rewrite_header(path, lambda h: h["caches"][2].update(kind="kv-from-the-future"))
@@ -234,7 +234,7 @@ def test_failed_save_keeps_the_previous_snapshot(saved):
 def test_a_write_the_file_system_refuses_is_ours_and_an_oserror(saved, monkeypatch, tmp_path):
     import errno
 
-    from mlxkv.codecs import safetensors_io
+    from mlxkv.io import safetensors as safetensors_io
 
     path, model, caches, tokens = saved
     with pytest.raises(mlxkv.SnapshotWriteError, match="cannot create a file in") as e:
@@ -314,7 +314,7 @@ def test_slots_of_the_wrong_rank_are_refused(saved):
     """Consistent but rank-2 shapes in both headers: a clear error, not an IndexError."""
     import struct
 
-    from mlxkv.codecs.safetensors_io import crc32_hex
+    from mlxkv.io.safetensors import crc32_hex
 
     path = saved[0]
     doc, body = read_raw(path)

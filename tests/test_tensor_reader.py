@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv.codecs import tensor_reader
-from mlxkv.codecs.safetensors_io import read_safetensors_header, write_atomic
-from mlxkv.codecs.tensor_reader import TensorReader
+from mlxkv.io import tensor_reader
+from mlxkv.io.safetensors import read_safetensors_header, write_atomic
+from mlxkv.io.tensor_reader import TensorReader
 from mlxkv.errors import CorruptSnapshotError, SnapshotError
 
 

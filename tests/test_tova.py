@@ -12,8 +12,8 @@ import pytest
 
 import mlxkv
 from mlxkv import CacheConfigError, TOVAKVCache, make_cache
-from mlxkv.inference.schemes import parse_scheme
-from mlxkv.inference.tova import tova_evict
+from mlxkv.caches.schemes import parse_scheme
+from mlxkv.caches.tova import tova_evict
 from mlxkv.seeded import build_model
 
 

@@ -12,10 +12,10 @@ from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv import CacheConfigError, TurboQuantKVCache
-from mlxkv.codecs import turboquant_math as tq
-from mlxkv.inference.base import row_bytes
-from mlxkv.inference.masks import ForwardMasks
-from mlxkv.inference.schemes import make_cache
+from mlxkv.math import turboquant as tq
+from mlxkv.caches.base import row_bytes
+from mlxkv.caches.masks import ForwardMasks
+from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt, tokenizer
 
 from conftest import greedy, run

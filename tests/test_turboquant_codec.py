@@ -1,7 +1,7 @@
 """TurboQuant codec math: packing, constants, and bytes equal to the vLLM-Metal reference.
 
 The reference (vllm-metal ``turbo_quant_encode``) is restated here in numpy, independently of
-``mlxkv.codecs.turboquant_math``: the same float32 operations in the same order. Two details
+``mlxkv.math.turboquant``: the same float32 operations in the same order. Two details
 of the reference matter for byte equality and are restated, not approximated:
 - ``mean(x**2)``: MLX's ``power`` on the CPU backend is the C library's ``powf`` (not always
   the exactly rounded square), and the 32-element float32 sum runs left to right;
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from mlxkv import CacheConfigError
-from mlxkv.codecs import bitpack
-from mlxkv.codecs import turboquant_math as tq
+from mlxkv.math import bitpack
+from mlxkv.math import turboquant as tq
 
 CONSTANTS = json.loads(tq.CONSTANTS_FILE.read_text())
 F32 = np.float32

@@ -7,10 +7,10 @@ from safetensors.numpy import load_file
 
 import mlxkv
 from mlxkv import CorruptSnapshotError, TurboQuantKVCache
-from mlxkv.codecs import turboquant_math as tq
-from mlxkv.codecs.tensor_reader import TensorReader
-from mlxkv.inference.masks import ForwardMasks
-from mlxkv.inference.schemes import make_cache
+from mlxkv.math import turboquant as tq
+from mlxkv.io.tensor_reader import TensorReader
+from mlxkv.caches.masks import ForwardMasks
+from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt
 
 from conftest import greedy, run

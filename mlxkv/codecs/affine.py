@@ -1,8 +1,8 @@
 """``qkv`` and ``rotating-qkv``: mlx-lm's affine triples, keys then values."""
 
 from ..errors import CorruptSnapshotError
-from ..inference.quantized import AFFINE_BITS, AFFINE_GROUPS, QuantizedKVCache
-from ..inference.rotating import RotatingQuantizedKVCache
+from ..caches.quantized import AFFINE_BITS, AFFINE_GROUPS, QuantizedKVCache
+from ..caches.rotating import RotatingQuantizedKVCache
 from .base import Codec, expect_slots, require, same_prefix
 from .ring import check_ring
 

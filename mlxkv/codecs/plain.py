@@ -1,6 +1,6 @@
 """``kv``: keys and values sliced to offset; restores with slack capacity."""
 
-from ..inference.plain import KVCache
+from ..caches.plain import KVCache
 from .base import Codec, expect_slots, require, same_prefix
 from ..errors import CorruptSnapshotError
 

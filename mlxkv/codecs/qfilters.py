@@ -9,7 +9,7 @@ filter, T == min(offset, budget); without, T == offset < calibTokens.
 """
 
 from ..errors import CorruptSnapshotError
-from ..inference.qfilters import QFiltersKVCache
+from ..caches.qfilters import QFiltersKVCache
 from .base import Codec, expect_slots
 from .tova import check_budget_fields, check_rows, slot_dtypes
 

@@ -1,7 +1,7 @@
 """``rotating``: the whole ring as laid out, with its write index."""
 
 from ..errors import CorruptSnapshotError
-from ..inference.rotating import RotatingKVCache
+from ..caches.rotating import RotatingKVCache
 from .base import Codec, expect_slots, require, same_prefix
 
 SLOTS = ("keys", "values")

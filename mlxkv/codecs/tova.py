@@ -7,7 +7,7 @@ step, so T == min(offset, budget). Restores position-exact.
 """
 
 from ..errors import CorruptSnapshotError
-from ..inference.tova import TOVAKVCache
+from ..caches.tova import TOVAKVCache
 from .base import Codec, expect_slots, require, same_prefix
 
 SLOTS = ("keys", "values", "positions")

@@ -19,8 +19,8 @@ or widths inconsistent with headDim and the bits, before any tensor is read. The
 """
 
 from ..errors import CacheConfigError, CorruptSnapshotError
-from ..inference.turboquant import SLOTS, TurboQuantKVCache
-from . import turboquant_math as tq
+from ..caches.turboquant import SLOTS, TurboQuantKVCache
+from ..math import turboquant as tq
 from .base import Codec, expect_slots, require, same_prefix
 
 

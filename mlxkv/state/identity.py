@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from ..inference.schemes import attention_geometry, make_cache, model_config
+from ..caches.schemes import attention_geometry, make_cache, model_config
 
 IDENTITY_FIELDS = {  # python keyword -> header field
     "model_id": "modelId",

@@ -16,7 +16,7 @@ from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
 from ..errors import UnknownKindError
-from ..inference.base import kind_of
+from ..caches.base import kind_of
 
 CODECS: List[Codec] = [
     PlainCodec(),

@@ -25,14 +25,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..codecs.safetensors_io import read_safetensors_header
-from ..codecs.tensor_reader import TensorReader
+from ..io.safetensors import read_safetensors_header
+from ..io.tensor_reader import TensorReader
 from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
-from ..inference.arrays import ArraysCache
-from ..inference.masks import ForwardMasks
-from ..inference.plain import KVCache
-from ..inference.quantized import QuantizedKVCache
-from ..inference.rotating import RotatingKVCache
+from ..caches.arrays import ArraysCache
+from ..caches.masks import ForwardMasks
+from ..caches.plain import KVCache
+from ..caches.quantized import QuantizedKVCache
+from ..caches.rotating import RotatingKVCache
 from .snapshot import META_KEY, save
 
 TOKENS_METADATA_KEY = "tokens"

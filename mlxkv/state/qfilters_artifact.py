@@ -19,8 +19,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..codecs.safetensors_io import read_safetensors_header, write_atomic
-from ..codecs.tensor_reader import TensorReader
+from ..io.safetensors import read_safetensors_header, write_atomic
+from ..io.tensor_reader import TensorReader
 from ..errors import (
     CorruptSnapshotError,
     FormatVersionError,
@@ -28,7 +28,7 @@ from ..errors import (
     IdentityMismatchError,
     MLXKVError,
 )
-from ..inference.qfilters_calibration import CALIBRATION_VERSION, QFiltersCalibration
+from ..caches.qfilters_calibration import CALIBRATION_VERSION, QFiltersCalibration
 from .identity import model_geometry
 
 META_KEY = "mlxkv.qfilters"

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import CacheConfigError, CorruptSnapshotError, SnapshotError
-from ..inference.schemes import make_cache
+from ..caches.schemes import make_cache
 from .identity import model_identity
 from .snapshot import load, save
 

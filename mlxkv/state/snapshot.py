@@ -13,14 +13,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..codecs.safetensors_io import (
+from ..io.safetensors import (
     SafetensorsHeader,
     crc32_hex,
     dtype_name,
     read_safetensors_header,
     write_atomic,
 )
-from ..codecs.tensor_reader import TensorReader
+from ..io.tensor_reader import TensorReader
 from ..errors import (
     CorruptSnapshotError,
     EmptyCacheError,
@@ -29,9 +29,9 @@ from ..errors import (
     IdentityMismatchError,
     SnapshotError,
 )
-from ..inference.masks import ForwardMasks
-from ..inference.schemes import scheme_for_pending
-from ..inference.transition import Bf16FirstCache
+from ..caches.masks import ForwardMasks
+from ..caches.schemes import scheme_for_pending
+from ..caches.transition import Bf16FirstCache
 from .identity import IDENTITY_FIELDS, model_geometry
 from .kinds import codec_for_kind, codec_for_persisted, kind_of
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..codecs import turboquant_math as tq
+from ..math import turboquant as tq
 from ..errors import CacheConfigError, MLXKVError
 from .base import CacheContract
 from .reads import AttentionRead

@@ -58,7 +58,7 @@ class CacheContract(NamedReads):
     @classmethod
     def merge(cls, caches):
         """mlx-lm's batching entry point: an mlxkv row layout, never mlx-lm's kind-less one."""
-        from .batched import merge_rows  # the row layouts build on the serial caches
+        from ..batched.rows import merge_rows  # the row layouts build on the serial caches
 
         return merge_rows(caches)
 

@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CacheConfigError
-from .base import CacheContract, row_bytes
-from .batched_layout import (
+from ..caches.base import CacheContract, row_bytes
+from .columns import (
     Columns,
     RowOffsets,
     check_row,
@@ -32,7 +32,7 @@ from .batched_layout import (
     stored_mask,
     visibility_mask,
 )
-from .reads import AttentionRead
+from ..caches.reads import AttentionRead
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..codecs import bitpack
-from ..codecs import turboquant_math as tq
-from .plain import KVCache
-from .quantized import QuantizedKVCache
-from .rotating import RotatingKVCache, RotatingQuantizedKVCache
-from .turboquant import TurboQuantKVCache
+from ..math import bitpack
+from ..math import turboquant as tq
+from ..caches.plain import KVCache
+from ..caches.quantized import QuantizedKVCache
+from ..caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
+from ..caches.turboquant import TurboQuantKVCache
 
 
 @dataclass(frozen=True)

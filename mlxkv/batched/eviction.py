@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MLXKVError
-from .batched_attention import BatchedKVCache, merge_attention_rows
-from .batched_layout import Columns
-from .batched_formats import EvictionStorage, _Format
-from .qfilters import QFiltersKVCache, key_svd_filter, projection_scores, qfilters_survivors
-from .tova import TOVAKVCache, tova_evict
+from .attention import BatchedKVCache, merge_attention_rows
+from .columns import Columns
+from .formats import EvictionStorage, _Format
+from ..caches.qfilters import QFiltersKVCache, key_svd_filter, projection_scores, qfilters_survivors
+from ..caches.tova import TOVAKVCache, tova_evict
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ no entry handles raises :class:`~mlxkv.errors.UnknownKindError` naming it.
 from typing import Callable, List, Sequence, Tuple
 
 from ..errors import CacheConfigError, MLXKVError, UnknownKindError
-from .base import kind_of
-from .batched_arrays import merge_arrays_rows
-from .batched_attention import merge_attention_rows
-from .batched_eviction import eviction_format, merge_eviction_rows
-from .batched_formats import linear_format, ring_format, turbo_format
-from .plain import KVCache
-from .transition import Bf16FirstCache
+from ..caches.base import kind_of
+from .arrays import merge_arrays_rows
+from .attention import merge_attention_rows
+from .eviction import eviction_format, merge_eviction_rows
+from .formats import linear_format, ring_format, turbo_format
+from ..caches.plain import KVCache
+from ..caches.transition import Bf16FirstCache
 
 
 def _attention(format_of, merge_format=merge_attention_rows):

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
-from .safetensors_io import DTYPES, SafetensorsHeader, TensorInfo, crc32, crc32_combine, header_bytes, io_pool
+from .safetensors import DTYPES, SafetensorsHeader, TensorInfo, crc32, crc32_combine, header_bytes, io_pool
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
 _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads

@@ -10,9 +10,9 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheConfigError
-from .arrays import ArraysCache
-from .base import CacheContract
-from .batched_layout import RowOffsets, check_row
+from ..caches.arrays import ArraysCache
+from ..caches.base import CacheContract
+from .columns import RowOffsets, check_row
 
 
 class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):

@@ -1,0 +1,2 @@
+"""Batched row layouts: serial caches joined into one cache per layer, rows retired and
+extracted back (docs/batched.md)."""
