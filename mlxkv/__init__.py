@@ -15,7 +15,8 @@ from .errors import (
     UnknownKindError,
 )
 from .caches.arrays import ArraysCache
-from .batched.rows import extend, extend_model_rows, extract_model_row, extract_row, filter_model_rows, filter_rows, merge_model_rows, merge_rows  # noqa: E501
+from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
+from .caches.rows import extend, extend_model_rows, extract_model_row, extract_row, filter_model_rows, filter_rows, merge_model_rows, merge_rows  # noqa: E501
 from .caches.plain import KVCache
 from .caches.qfilters import QFiltersKVCache
 from .caches.quantized import QuantizedKVCache

@@ -8,19 +8,11 @@ class MLXKVError(Exception):
 class UnknownKindError(MLXKVError):
     """A cache kind (or persisted kind) that no registry entry handles."""
 
-    def __init__(self, kind, where: str = ""):
+    def __init__(self, kind, where: str = "", known=()):
         self.kind = kind
-        known = ""
-        try:  # late import: the registry composes codecs, errors must not depend on it
-            from .state.kinds import known_persisted_kinds
-
-            known = f" Known persisted kinds: {', '.join(known_persisted_kinds())}."
-        except Exception:  # pragma: no cover - registry import failure
-            pass
         at = f" ({where})" if where else ""
-        super().__init__(
-            f"unknown cache kind {kind!r}{at}: no codec or dispatch handles it.{known}"
-        )
+        listed = f" Known persisted kinds: {', '.join(known)}." if known else ""
+        super().__init__(f"unknown cache kind {kind!r}{at}: no codec or dispatch handles it.{listed}")
 
 
 class SchemeError(MLXKVError):

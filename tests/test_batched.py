@@ -1,4 +1,4 @@
-"""Batched rows (DESIGN section 8): a batch of rows decodes as each row alone would, and
+"""Batched rows (docs/batched.md): a batch of rows decodes as each row alone would, and
 rows join, leave and come back out as owned serial caches that save and continue exactly."""
 
 import os
@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import mlxkv
-from mlxkv.batched.rows import BATCHED_KINDS, ROW_LAYOUTS
 from mlxkv.caches.schemes import make_cache
-from mlxkv.state.kinds import codec_for_kind
+from mlxkv.families import family_of_batched_kind, family_of_kind, families
 from mlxkv.seeded import prompt
 
 # (arch, scheme, make_cache options, serial kinds of the rows once settled)
@@ -110,7 +109,7 @@ def test_batched_greedy_decode_matches_each_row_alone(models, case):
     assert {b.kind for b in batch} == {BATCHED[k] for k in serial_kinds}
     for b in batch:  # batched layouts have no codec
         with pytest.raises(mlxkv.UnknownKindError, match="extract rows"):
-            codec_for_kind(b.kind)
+            family_of_kind(b.kind)
     assert [b.offset.tolist() for b in batch if b.kind != "kv:batched-ssm"][0] == list(LENS)
     toks, logs = batched_greedy(model, batch, firsts, 8)
     for i, (ref_toks, ref_logs) in enumerate(refs):
@@ -254,8 +253,9 @@ def test_unknown_and_mixed_kinds_raise_naming_them(models):
     fake = type("FakeBatch", (), {"kind": "kv:batched-wat", "extract_row": lambda self, i: None})()
     with pytest.raises(mlxkv.UnknownKindError, match="kv:batched-wat"):
         mlxkv.extract_row(fake, 0)
-    # every serial kind in the layout table has a batched kind and vice versa
-    assert len(ROW_LAYOUTS) == len(BATCHED_KINDS)
+    # every family with a row layout is found again from its batched kind
+    for f in families():
+        assert f.rows is not None and family_of_batched_kind(f.batched_kind + ("4:64" if f.kind.endswith(":") else "")) is f
 
 
 def test_bf16_first_rows_join_once_their_conversion_is_due(models):

@@ -198,14 +198,14 @@ def test_predicates_are_string_compares():
 
 
 def test_unknown_kind_is_a_loud_error():
-    from mlxkv.state.kinds import codec_for_kind, codec_for_persisted
+    from mlxkv.families import family_of_kind, family_of_persisted
 
     with pytest.raises(mlxkv.UnknownKindError, match="kv:mystery"):
-        codec_for_kind("kv:mystery")
+        family_of_kind("kv:mystery")
     with pytest.raises(mlxkv.UnknownKindError, match="batched"):
-        codec_for_kind("kv:batched-mask:kv:plain")
+        family_of_kind("kv:batched-mask:kv:plain")
     with pytest.raises(mlxkv.UnknownKindError, match="'nope'"):
-        codec_for_persisted("nope")
+        family_of_persisted("nope")
 
 
 def test_mlx_lm_save_prompt_cache_accepts_our_caches(models, tmp_path):

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import mlxkv
-from mlxkv.caches.compiled import commit_decode, decode_slot
+from mlxkv.caches.compiled import decode_slot
 from mlxkv.caches.schemes import parse_scheme
 
 
@@ -37,7 +37,7 @@ def test_compiled_step_joins_the_window_the_ordinary_read_sees(make):
         assert step is None or slot.step is step
         step = slot.step
         kw, vw, codes = mx.compile(slot.step)(slot.prefix_keys, slot.prefix_values, k, v)
-        mx.eval(commit_decode(a, codes))
+        mx.eval(slot.commit(codes))
         rk, rv = b.update_and_fetch(k, v)
         assert _same(kw, rk) and _same(vw, rv)
     assert a.offset == b.offset == 15
@@ -56,4 +56,4 @@ def test_kinds_without_a_slot_are_named():
     with pytest.raises(mlxkv.UnknownKindError, match="kv:rotating-plain"):
         decode_slot(_filled(mlxkv.RotatingKVCache(32)))
     with pytest.raises(mlxkv.UnknownKindError, match="kv:tova:16:2"):
-        commit_decode(mlxkv.TOVAKVCache(16, 2), None)
+        decode_slot(_filled(mlxkv.TOVAKVCache(16, 2)))

@@ -7,9 +7,9 @@ docs/format.md and the TypeScript reader follow).
 import mlx.core as mx
 import pytest
 
+from mlxkv.state.kinds import check_entry
+
 import mlxkv
-from mlxkv.codecs.qfilters import QFiltersCodec
-from mlxkv.codecs.tova import TOVACodec
 from mlxkv.errors import CorruptSnapshotError, GeometryMismatchError
 from mlxkv.caches.qfilters_calibration import calibrate
 from mlxkv.seeded import build_model, prompt
@@ -183,8 +183,8 @@ def tova_entry(offset=30, budget=16, n_sink=2, T=16, pos_shape=None, pos_dtype="
 
 
 def test_tova_check_accepts_what_we_write():
-    TOVACodec().check(*tova_entry())
-    TOVACodec().check(*tova_entry(offset=9, T=9))
+    check_entry(*tova_entry())
+    check_entry(*tova_entry(offset=9, T=9))
 
 
 @pytest.mark.parametrize(
@@ -202,17 +202,17 @@ def test_tova_check_accepts_what_we_write():
 )
 def test_tova_check_rejects_impossible_entries(kwargs):
     with pytest.raises(CorruptSnapshotError):
-        TOVACodec().check(*tova_entry(**kwargs))
+        check_entry(*tova_entry(**kwargs))
 
 
 def test_tova_check_rejects_missing_fields_and_wrong_slot_order():
     e, s = tova_entry()
     del e["nSink"]
     with pytest.raises(CorruptSnapshotError):
-        TOVACodec().check(e, s)
+        check_entry(e, s)
     e, s = tova_entry()
     with pytest.raises(CorruptSnapshotError):
-        TOVACodec().check(e, {"values": s["values"], "keys": s["keys"], "positions": s["positions"]})
+        check_entry(e, {"values": s["values"], "keys": s["keys"], "positions": s["positions"]})
 
 
 def qf_entry(offset=30, T=16, calibrated=True, with_filter=True, filter_shape=None, score_dtype="F32", **fields):
@@ -228,9 +228,9 @@ def qf_entry(offset=30, T=16, calibrated=True, with_filter=True, filter_shape=No
 
 
 def test_qfilters_check_accepts_what_we_write():
-    QFiltersCodec().check(*qf_entry())
-    QFiltersCodec().check(*qf_entry(offset=10, T=10))
-    QFiltersCodec().check(*qf_entry(offset=20, T=20, calibrated=False, with_filter=False))
+    check_entry(*qf_entry())
+    check_entry(*qf_entry(offset=10, T=10))
+    check_entry(*qf_entry(offset=20, T=20, calibrated=False, with_filter=False))
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_qfilters_check_accepts_what_we_write():
 )
 def test_qfilters_check_rejects_impossible_entries(kwargs):
     with pytest.raises(CorruptSnapshotError):
-        QFiltersCodec().check(*qf_entry(**kwargs))
+        check_entry(*qf_entry(**kwargs))
 
 
 def test_a_tampered_header_fails_the_load_before_any_tensor_is_read(tmp_path, llama, monkeypatch):

@@ -23,7 +23,7 @@ import mlxkv
 from mlxkv import errors
 from mlxkv.caches.transition import Bf16FirstCache
 from mlxkv.seeded import build_model
-from mlxkv.state.kinds import codec_for_kind, known_persisted_kinds
+from mlxkv.families import family_of_kind, known_persisted_kinds
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text())
@@ -68,7 +68,7 @@ def _check_layer(cache, layer: dict, where: str):
     """The live cache's own view of its rows equals the manifest's decoded values."""
     kind, want = layer["kind"], layer["decoded"]
     inner = cache.inner if isinstance(cache, Bf16FirstCache) else cache
-    assert codec_for_kind(cache.kind).persisted_kind == kind, where
+    assert family_of_kind(cache.kind).persisted == kind, where
     if kind == "ssm":
         assert set(want) == {str(i) for i, a in enumerate(inner.cache) if a is not None}, where
         for slot, a in want.items():

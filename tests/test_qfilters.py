@@ -7,7 +7,7 @@ import pytest
 
 import mlxkv
 from mlxkv import CacheConfigError, QFiltersKVCache, make_cache
-from mlxkv.caches.qfilters import key_svd_filter, projection_scores, qfilters_survivors
+from mlxkv.math.qfilters import key_svd_filter, projection_scores, qfilters_survivors
 from mlxkv.caches.schemes import parse_scheme
 from mlxkv.seeded import build_model
 

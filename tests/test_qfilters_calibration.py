@@ -10,7 +10,7 @@ import pytest
 from mlxkv import CacheConfigError, QFiltersKVCache, make_cache
 from mlxkv.io.safetensors import write_atomic
 from mlxkv.errors import CorruptSnapshotError, FormatVersionError, GeometryMismatchError, IdentityMismatchError
-from mlxkv.caches.qfilters import key_svd_filter
+from mlxkv.math.qfilters import key_svd_filter
 from mlxkv.caches.qfilters_calibration import (
     QFiltersCalibration,
     average_gqa_filters,

@@ -13,7 +13,7 @@ import pytest
 import mlxkv
 from mlxkv import CacheConfigError, TOVAKVCache, make_cache
 from mlxkv.caches.schemes import parse_scheme
-from mlxkv.caches.tova import tova_evict
+from mlxkv.math.tova import tova_evict
 from mlxkv.seeded import build_model
 
 

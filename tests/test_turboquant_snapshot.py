@@ -3,6 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+
+from mlxkv.state.kinds import check_entry
 from safetensors.numpy import load_file
 
 import mlxkv
@@ -156,15 +158,14 @@ def test_inconsistent_headers_are_refused_before_any_tensor_is_read(saved, no_te
 def test_a_slot_of_the_wrong_dtype_is_refused(saved):
     """The file's own dtype table must agree with the slot (the snapshot layer checks that the
     header and the file agree; the codec checks that both are what the slot stores)."""
-    from mlxkv.codecs.turboquant import TurboQuantCodec
 
     entry = mlxkv.read_header(saved)["caches"][1]
     shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
-    TurboQuantCodec().check(entry, shapes)  # as written: accepted
+    check_entry(entry, shapes)  # as written: accepted
     entry["tensors"][0]["dtype"] = "U8"
     with pytest.raises(CorruptSnapshotError, match="kIdx has dtype U8, expected I8"):
-        TurboQuantCodec().check(entry, shapes)
+        check_entry(entry, shapes)
     entry["tensors"][0]["dtype"] = "I8"
     shapes["vScales"] = [1, 2, 5, 2, 1]
     with pytest.raises(CorruptSnapshotError, match="rank 5"):
-        TurboQuantCodec().check(entry, shapes)
+        check_entry(entry, shapes)

@@ -5,6 +5,8 @@ batch axis and need no padding. ``offset`` is the per-row count of tokens the st
 absorbed.
 """
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
@@ -80,11 +82,22 @@ class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
     extend, filter, extract = extend_rows, filter_rows, extract_row
 
 
+@dataclass(frozen=True)
+class ArraysRows:
+    """The row format of ``ssm`` state: rows of one batch hold the same number of arrays."""
+
+    size: int
+
+    def merge(self, rows) -> BatchedArraysCache:
+        """Stack the rows' state arrays; a row without a state array gets zeros there."""
+        return merge_arrays_rows(rows)
+
+
+def arrays_rows(row) -> ArraysRows:
+    return ArraysRows(len(row.cache))
+
+
 def merge_arrays_rows(rows) -> BatchedArraysCache:
-    """Stack the rows' state arrays; a row without a state array gets zeros there."""
-    sizes = {len(r.cache) for r in rows}
-    if len(sizes) != 1:
-        raise CacheConfigError(f"ssm rows with different numbers of state arrays cannot share a batch: {sorted(sizes)}")
     arrays = []
     for slot in zip(*(r.cache for r in rows)):
         ref = next((a for a in slot if a is not None), None)

@@ -1,11 +1,11 @@
 """``BatchedKVCache``: the batched row layout of the attention caches (plain, affine, ring,
-affine ring, TurboQuant; the eviction caches subclass it in ``batched_eviction``).
+affine ring, TurboQuant; the eviction caches subclass it in ``batched.eviction``).
 
-Rows are right-aligned and left-padded (see ``batched_layout``). A row format
-(``batched_formats``) says how one serial kind stores its positions: ``read`` a serial
-cache's stored positions in temporal order, ``restore`` a serial cache from them; its
-storage says how positions are encoded. Row surgery moves stored arrays only: nothing is
-decoded and re-encoded.
+Rows are right-aligned and left-padded (see ``batched.columns``). A row format
+(``RowFormat``; ``batched.formats``) says how one serial kind stores its positions: ``read``
+a serial cache's stored positions in temporal order, ``restore`` a serial cache from them;
+its storage (``batched.storages``) says how positions are encoded. Row surgery moves stored
+arrays only: nothing is decoded and re-encoded.
 
 Every append goes through one plan, computed from host integers, that both ``make_mask``
 (before the append) and ``update_and_fetch`` use: ring eviction (metadata only), then, when
@@ -33,6 +33,29 @@ from .columns import (
     visibility_mask,
 )
 from ..caches.reads import AttentionRead
+
+
+class RowFormat:
+    """Base of the attention row formats: ``merge(rows)`` builds the batch of class
+    ``batch_class`` from serial caches of this format."""
+
+    max_size: Optional[int] = None
+    keep: int = 0
+
+    @property
+    def batched_kind(self) -> str:
+        """A row layout's own kind: ``kv:batched-`` plus the serial kind's tail."""
+        return self.serial_kind.replace("kv:", "kv:batched-", 1)
+
+    def dtype_of(self, row):
+        return None
+
+    def merge(self, rows):
+        return merge_attention_rows(self, rows, cls=self.batch_class())
+
+    @staticmethod
+    def batch_class():
+        return BatchedKVCache
 
 
 @dataclass(frozen=True)

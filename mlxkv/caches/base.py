@@ -1,20 +1,7 @@
-"""What every mlxkv cache has beyond mlx-lm's cache API (DESIGN section 2)."""
+"""What every mlxkv cache has beyond mlx-lm's cache API (the cache contract, docs/caches.md)."""
 
-from ..errors import UnknownKindError
 from .masks import ForwardMasks
 from .reads import NamedReads
-
-
-def kind_of(cache) -> str:
-    """The cache's ``kind``; a cache that declares none is an error, never a guess."""
-    kind = getattr(cache, "kind", None)
-    if not isinstance(kind, str) or not kind:
-        raise UnknownKindError(
-            kind,
-            f"{type(cache).__name__} declares no kind; build mlxkv caches with "
-            "mlxkv.make_cache(model, scheme), or convert an mlx-lm prompt-cache file with `mlxkv convert`",
-        )
-    return kind
 
 
 class CacheContract(NamedReads):
@@ -58,7 +45,7 @@ class CacheContract(NamedReads):
     @classmethod
     def merge(cls, caches):
         """mlx-lm's batching entry point: an mlxkv row layout, never mlx-lm's kind-less one."""
-        from ..batched.rows import merge_rows  # the row layouts build on the serial caches
+        from .rows import merge_rows  # rows dispatches on kinds and builds on this module
 
         return merge_rows(caches)
 

@@ -10,19 +10,13 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from ..checks import is_int
 from ..errors import CacheConfigError
+from ..math.selection import position_rows
 from .base import CacheContract, row_bytes
 
 _STAMPS = itertools.count(1)  # a fresh stamp per mutation: window masks are memoized by it
 
-
-def is_count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def position_rows(B: int, H: int, start: int, n: int) -> mx.array:
-    """The original positions ``start .. start+n-1`` of n new rows, int32 [B, H, n]."""
-    return mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (B, H, n))
 
 
 class EvictionKVCache(CacheContract, mlx_cache._BaseCache):
@@ -191,32 +185,9 @@ class EvictionKVCache(CacheContract, mlx_cache._BaseCache):
 
 
 def check_budget(budget, n_sink, what: str):
-    if not is_count(budget) or budget < 1:
+    if not is_int(budget) or budget < 1:
         raise CacheConfigError(f"{what}: budget must be an integer >= 1, got {budget!r}")
-    if not is_count(n_sink) or n_sink < 0:
+    if not is_int(n_sink) or n_sink < 0:
         raise CacheConfigError(f"{what}: n_sink must be an integer >= 0, got {n_sink!r}")
 
 
-def gather_rows(a: mx.array, idx: mx.array) -> mx.array:
-    """Rows ``idx`` [B, H, K] of ``a`` [B, H, R, ...] -> [B, H, K, ...] per (batch, head).
-
-    One ``take`` of whole rows from the flattened [B*H*R, ...] array: on CPU several times
-    faster than ``take_along_axis`` with an index broadcast over the head dimension."""
-    B, H, R = a.shape[:3]
-    base = (mx.arange(B * H, dtype=mx.int32) * R).reshape(B, H, 1)
-    flat = mx.take(a.reshape(B * H * R, *a.shape[3:]), (base + idx).reshape(-1), axis=0)
-    return flat.reshape(B, H, idx.shape[2], *a.shape[3:])
-
-
-def drop_one(cost: mx.array, lowest_index: bool) -> mx.array:
-    """Indices [B, H, R-1] (ascending) of every row but the one with the minimum ``cost``
-    [B, H, R]; among tied minima the lowest index goes (``lowest_index``) or the highest."""
-    R = cost.shape[-1]
-    rows = mx.arange(R, dtype=mx.int32)
-    tied = cost == mx.min(cost, axis=-1, keepdims=True)
-    if lowest_index:
-        victim = mx.min(mx.where(tied, rows, R), axis=-1, keepdims=True)
-    else:
-        victim = mx.max(mx.where(tied, rows, -1), axis=-1, keepdims=True)
-    kept = rows[: R - 1]
-    return kept + (kept >= victim).astype(mx.int32)

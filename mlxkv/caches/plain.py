@@ -4,6 +4,8 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from .base import CacheContract, row_bytes
+from .rotating import RotatingKVCache
+from .scheme import Scheme
 
 
 class KVCache(CacheContract, mlx_cache.KVCache):
@@ -37,3 +39,11 @@ class KVCache(CacheContract, mlx_cache.KVCache):
 
         self.keys, self.values, self.offset = grow(keys), grow(values), offset
         return self
+
+
+PLAIN_SCHEME = r"bf16|fp16|plain"
+
+
+def plain_scheme(m, options) -> Scheme:
+    """``bf16`` (also ``fp16``, ``plain``): plain caches, rings of plain rows under ``max_kv_size``."""
+    return Scheme(m.string, lambda i, o: KVCache(), False, lambda n, keep: RotatingKVCache(n, keep))

@@ -21,69 +21,15 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..checks import is_int
 from ..errors import CacheConfigError
+from ..math.qfilters import freeze_due, key_svd_filter, projection_scores, qfilters_survivors, thaw_due
+from ..math.selection import gather_rows
 from .base import row_bytes
-from .eviction import EvictionKVCache, check_budget, drop_one, gather_rows, is_count
+from .eviction import EvictionKVCache, check_budget
+from .scheme import Scheme
 
 DEFAULT_CALIB_TOKENS = 128
-
-
-def top_right_singular_vectors(x: mx.array) -> mx.array:
-    """v1 of every matrix [..., N, D] -> [..., D] (float32, unit norm, sign as LAPACK gives).
-
-    A tall matrix is first reduced by QR (X = QR, X and R share their right singular
-    vectors) so the SVD never builds an N x N U."""
-    x = x.astype(mx.float32)
-    if x.shape[-2] > x.shape[-1]:
-        _, x = mx.linalg.qr(x, stream=mx.cpu)
-    _, _, vt = mx.linalg.svd(x, stream=mx.cpu)
-    return vt[..., 0, :]
-
-
-def key_svd_filter(keys: mx.array) -> mx.array:
-    """The fallback filter of keys [B, H, C, D] -> float32 [B, H, D], unit norm.
-
-    Mean-centered on purpose (the documented fallback, not the paper's estimator): it finds
-    the axis of largest key variance, whose sign a key alone cannot tell; we orient it so the
-    mean key has a non-negative projection (largest-magnitude component positive on a tie),
-    and ``sign=-1`` is the ablation of that choice."""
-    k = keys.astype(mx.float32)
-    mean = mx.mean(k, axis=2)
-    v = top_right_singular_vectors(k - mean[:, :, None, :])
-    proj = mx.sum(mean * v, axis=-1, keepdims=True)
-    biggest = mx.take_along_axis(v, mx.argmax(mx.abs(v), axis=-1, keepdims=True), axis=-1)
-    flip = mx.where(proj != 0, mx.sign(proj), mx.where(biggest < 0, -1.0, 1.0))
-    return v * flip
-
-
-def projection_scores(keys: mx.array, filt: mx.array, sign: int) -> mx.array:
-    """``sign * <key, filter>`` in float32: keys [B, H, N, D], filter [B or 1, H, D] -> [B, H, N].
-
-    An elementwise product summed over D (not a matmul), so a row's score does not depend on
-    how many rows were scored with it: chunked and one-shot prefill store the same bits."""
-    return sign * mx.sum(keys.astype(mx.float32) * filt[:, :, None, :], axis=-1)
-
-
-def _descending_key(scores: mx.array) -> mx.array:
-    """int64 keys sorting rows by descending score, then ascending index: all distinct, so any
-    sort or partition gives the one documented order (ties to the lower index)."""
-    R = scores.shape[-1]
-    bits = (scores + 0.0).view(mx.int32)  # + 0.0 turns -0.0 into 0.0
-    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)  # monotone in the float
-    return (-ordered) * (1 << 31) + mx.arange(R, dtype=mx.int64)  # rows < 2**31
-
-
-def qfilters_survivors(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
-    """Kept row indices, ascending, int32 [B, H, budget], of rows scored [B, H, R > budget]."""
-    R = scores.shape[-1]
-    rows = mx.arange(R)
-    forced = (rows < n_sink) | (rows >= R - recent)
-    priority = mx.where(forced, mx.inf, scores)
-    if R == budget + 1:  # a decode step: the lowest priority goes, the highest index on a tie
-        return drop_one(priority, lowest_index=False)
-    key = _descending_key(priority)
-    best = mx.argpartition(key, kth=budget - 1, axis=-1)[..., :budget]
-    return mx.sort(best.astype(mx.int32), axis=-1)
 
 
 def _as_filter(filters, what: str) -> mx.array:
@@ -121,16 +67,16 @@ class QFiltersKVCache(EvictionKVCache):
     ):
         what = "Q-Filters"
         check_budget(budget, n_sink, what)
-        if not is_count(recent) or recent < 0:
+        if not is_int(recent) or recent < 0:
             raise CacheConfigError(f"{what}: recent must be an integer >= 0, got {recent!r}")
         if n_sink + recent >= budget:
             raise CacheConfigError(
                 f"{what}: n_sink + recent = {n_sink + recent} must be below budget={budget}: "
                 "no row would be left to rank by score"
             )
-        if not is_count(sign) or sign not in (1, -1):
+        if not is_int(sign) or sign not in (1, -1):
             raise CacheConfigError(f"{what}: sign must be +1 or -1, got {sign!r}")
-        if not is_count(calib_tokens) or calib_tokens < 2:
+        if not is_int(calib_tokens) or calib_tokens < 2:
             raise CacheConfigError(f"{what}: calib_tokens must be an integer >= 2, got {calib_tokens!r}")
         super().__init__(budget, n_sink)
         self.recent, self.sign, self.calib_tokens = recent, sign, calib_tokens
@@ -167,7 +113,7 @@ class QFiltersKVCache(EvictionKVCache):
             scores = new if self.scores is None else mx.concatenate([self.scores, new], axis=2)
         else:
             scores = mx.zeros((B, H, R), mx.float32)
-            if self.offset >= self.calib_tokens:  # freeze: nothing was evicted, rows == positions
+            if freeze_due(False, self.offset, self.calib_tokens):  # nothing evicted: rows == positions
                 self.filter = key_svd_filter(keys[:, :, : self.calib_tokens, :])
                 scores = projection_scores(keys, self.filter, self.sign)
         if self.filter is not None and R > self.budget:
@@ -181,8 +127,7 @@ class QFiltersKVCache(EvictionKVCache):
 
     def trim(self, n: int) -> int:
         n = super().trim(n)
-        if n and not self.calibrated and self.filter is not None and self.offset < self.calib_tokens:
-            # the keys the filter was estimated from are gone: unfreeze, as if never seen
+        if n and thaw_due(self.filter is not None, self.calibrated, self.offset, self.calib_tokens):
             self.filter = None
             if self.scores is not None:
                 self.scores = mx.zeros_like(self.scores)
@@ -247,8 +192,6 @@ def _layer_filters(options: dict, layer: int):
 def qfilters_scheme(m, options):
     """``qfilters-b<budget>-s<nSink>-r<recent>``; options ``qfilters_calibration=`` (a
     ``QFiltersCalibration``) or ``filters=`` (per-layer [H_kv, D]), ``sign=``, ``calib_tokens=``."""
-    from .schemes import Scheme  # late: schemes imports this module for its table
-
     budget, n_sink, recent = int(m["budget"]), int(m["sink"]), int(m["recent"])
     sign = options.get("sign", 1)
     calib = options.get("calib_tokens", DEFAULT_CALIB_TOKENS)

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CacheConfigError, MLXKVError
-from .qfilters import top_right_singular_vectors
+from ..math.qfilters import top_right_singular_vectors
 
 CALIBRATION_VERSION = 1
 DEFAULT_MAX_SAMPLES = 3000  # paper section 4.2: 3k SVD samples per head

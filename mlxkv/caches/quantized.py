@@ -7,19 +7,11 @@ quantized SDPA for it.
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..errors import CacheConfigError
+from ..math.affine import check_affine
 from .base import CacheContract, row_bytes
-
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUPS = (32, 64, 128)
-
-
-def check_affine(bits: int, group_size: int):
-    if bits not in AFFINE_BITS or group_size not in AFFINE_GROUPS:
-        raise CacheConfigError(
-            f"affine quantization needs bits in {AFFINE_BITS} and group size in "
-            f"{AFFINE_GROUPS}; got bits={bits}, group={group_size}"
-        )
+from .rotating import RotatingQuantizedKVCache
+from .scheme import Scheme
+from .transition import Bf16FirstCache, PendingConversion
 
 
 class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
@@ -63,3 +55,26 @@ class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
     def adopt(self, keys: tuple, values: tuple, offset: int):
         self.keys, self.values, self.offset = tuple(keys), tuple(values), offset
         return self
+
+
+AFFINE_SCHEME = r"kv(?P<bits>\d+)(?:-g(?P<group>\d+))?(?:-start(?P<start>\d+))?"
+
+
+def affine_scheme(m, options) -> Scheme:
+    """``kv<bits>[-g<group>][-start<N>]``: mlx-lm's affine layout (group 64 by default), from
+    token 0 or bf16-first until ``N`` positions are stored; rings of affine rows under
+    ``max_kv_size``."""
+    bits, group = int(m["bits"]), int(m["group"] or 64)
+    check_affine(bits, group)  # now, not at the first layer or the conversion
+    start = m["start"]
+    if start is None:
+        return Scheme(
+            m.string,
+            lambda i, o: QuantizedKVCache(group_size=group, bits=bits),
+            True,
+            lambda n, keep: RotatingQuantizedKVCache(n, keep, group_size=group, bits=bits),
+        )
+    pending = PendingConversion(
+        f"kv{bits}-g{group}", int(start), lambda c: QuantizedKVCache.from_cache(c, group_size=group, bits=bits)
+    )
+    return Scheme(m.string, lambda i, o: Bf16FirstCache(pending), True)

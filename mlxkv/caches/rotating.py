@@ -15,7 +15,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from ..errors import CacheConfigError
 from .base import CacheContract, row_bytes
-from .quantized import check_affine
+from ..math.affine import check_affine
 
 
 def _map(fn, x):

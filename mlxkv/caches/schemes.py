@@ -2,79 +2,30 @@
 
 The model's own ``make_cache`` (when it has one) says what each layer needs: full-attention
 layers get the scheme's cache, sliding-window layers stay rotating-plain, recurrent layers
-stay arrays. A scheme is parsed by the first entry of ``SCHEMES`` whose pattern matches it;
-a new cache family adds one entry.
+stay arrays. A scheme string is parsed by the family (``mlxkv.families``) whose scheme
+pattern matches it.
 """
 
 import re
 import warnings
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Optional
 
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import SchemeError
+from ..families import scheme_families
 from .arrays import ArraysCache
 from .masks import ForwardMasks
-from .plain import KVCache
-from .qfilters import QFILTERS_SCHEME, qfilters_scheme
-from .quantized import QuantizedKVCache
-from .rotating import RotatingKVCache, RotatingQuantizedKVCache
-from .tova import TOVA_SCHEME, tova_scheme
+from .rotating import RotatingKVCache
+from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
-from .turboquant import TURBO_SCHEME, turbo_scheme
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """A parsed scheme: builds the cache of one full-attention layer."""
-
-    name: str
-    build: Callable[[int, dict], object]  # (layer index, options) -> cache
-    quantizes: bool
-    ring: Optional[Callable[[int, int], object]] = None  # (max_size, keep) -> ring cache
-
-
-def _bf16(m, opts):
-    return Scheme(m.string, lambda i, o: KVCache(), False, lambda n, keep: RotatingKVCache(n, keep))
-
-
-def _affine(m, opts):
-    bits, group = int(m["bits"]), int(m["group"] or 64)
-    start = m["start"]
-    if start is None:
-        return Scheme(
-            m.string,
-            lambda i, o: QuantizedKVCache(group_size=group, bits=bits),
-            True,
-            lambda n, keep: RotatingQuantizedKVCache(n, keep, group_size=group, bits=bits),
-        )
-    QuantizedKVCache(group_size=group, bits=bits)  # validate now, not at the conversion
-    pending = PendingConversion(
-        f"kv{bits}-g{group}",
-        int(start),
-        lambda c: QuantizedKVCache.from_cache(c, group_size=group, bits=bits),
-    )
-    return Scheme(m.string, lambda i, o: Bf16FirstCache(pending), True)
-
-
-SCHEMES: List[tuple] = [
-    (r"bf16|fp16|plain", _bf16),
-    (r"kv(?P<bits>\d+)(?:-g(?P<group>\d+))?(?:-start(?P<start>\d+))?", _affine),
-    (TURBO_SCHEME, turbo_scheme),
-    (TOVA_SCHEME, tova_scheme),
-    (QFILTERS_SCHEME, qfilters_scheme),
-]
-
-
-def register_scheme(pattern: str, parse: Callable):
-    """Add a scheme family: ``parse(match, options) -> Scheme``."""
-    SCHEMES.append((pattern, parse))
 
 
 def parse_scheme(scheme: str, options: Optional[dict] = None) -> Scheme:
-    for pattern, parse in SCHEMES:
-        m = re.fullmatch(pattern, scheme)
+    """The scheme named ``scheme``, parsed by the family whose pattern matches it."""
+    for family in scheme_families():
+        pattern, parse = family.scheme
+        m = re.fullmatch(pattern, scheme) if isinstance(scheme, str) else None
         if m:
             return parse(m, options or {})
     raise SchemeError(

@@ -23,6 +23,21 @@ class PendingConversion:
     start: int
     convert: Callable  # plain cache -> converted cache (consumes the plain cache)
 
+    def due(self, offset: int) -> bool:
+        """Does a plain cache holding ``offset`` positions convert before its next append?
+        Once it holds ``start`` positions (with ``start == 0``: once it holds any)."""
+        return offset > 0 and offset >= self.start
+
+    def apply(self, plain):
+        """Convert ``plain`` (consumed); a conversion after position 0 sets the reuse floor
+        to the position it happened at: earlier prefixes were never stored in the target's
+        precision."""
+        at = plain.offset
+        out = self.convert(plain)
+        if self.start > 0:
+            out.minimum_reusable_offset = max(out.minimum_reusable_offset, at)
+        return out
+
 
 class Bf16FirstCache(CacheContract):
     def __init__(self, pending: PendingConversion, inner=None):
@@ -59,14 +74,9 @@ class Bf16FirstCache(CacheContract):
         return None if p is None else {"scheme": p.scheme, "start": p.start}
 
     def _maybe_convert(self):
-        p = self.pending
-        if p is None or self.inner.offset == 0 or self.inner.offset < p.start:
-            return
-        at = self.inner.offset
-        self.inner = p.convert(self.inner)
-        if p.start > 0:
-            self.inner.minimum_reusable_offset = max(self.inner.minimum_reusable_offset, at)
-        self.pending = None
+        if self.pending is not None and self.pending.due(self.inner.offset):
+            self.inner = self.pending.apply(self.inner)
+            self.pending = None
 
     def update_and_fetch(self, keys, values):
         self._maybe_convert()
@@ -109,3 +119,28 @@ class Bf16FirstCache(CacheContract):
         if name in ("inner", "pending"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def settled(row, i: int = 0):
+    """The storage a serial row attends from its next append on, for joining a batch.
+
+    A bf16-first row whose conversion is due is converted on a copy now, exactly as its
+    next append would convert it; one still short of its start cannot share a batch,
+    because a batched layer holds one storage. The row itself is never modified.
+    """
+    if not isinstance(row, Bf16FirstCache):
+        return row
+    p = row.pending
+    if p is None:
+        return row.inner
+    plain = row.inner
+    if not p.due(plain.offset):
+        raise CacheConfigError(
+            f"row {i} is bf16-first and converts to {p.scheme} at position {p.start} "
+            f"(it is at {plain.offset}): a batched layer holds one storage, so it cannot "
+            "convert one row mid-batch; decode that row alone until it converts"
+        )
+    copy = KVCache()
+    copy.keys, copy.values, copy.offset = plain.keys, plain.values, plain.offset
+    copy.masks, copy.minimum_reusable_offset = plain.masks, plain.minimum_reusable_offset
+    return p.apply(copy)  # consumes the copy, never the caller's row

@@ -24,7 +24,6 @@ It is deliberately not a ``KVCache`` subclass and has no attribute named ``bits`
 would otherwise route it to its affine quantized SDPA.
 """
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -34,7 +33,10 @@ from mlx_lm.models import cache as mlx_cache
 from ..math import turboquant as tq
 from ..errors import CacheConfigError, MLXKVError
 from .base import CacheContract
+from .decode_slot import DecodeSlot
 from .reads import AttentionRead
+from .scheme import Scheme
+from .transition import Bf16FirstCache, PendingConversion
 
 SLOTS = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
 
@@ -63,17 +65,6 @@ def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Call
         return k_win, v_win, codes
 
     return step
-
-
-@dataclass
-class DecodeSlot:
-    """What a compiled decode step needs from the cache, prepared outside the graph."""
-
-    prefix_keys: mx.array  # [B, H, offset, D], decoded
-    prefix_values: mx.array  # decoded, rotated when ``rotated``
-    step: Callable  # decode_step_function(...): pure, compilable
-    rotated: bool
-    finish: Optional[Callable[[mx.array], mx.array]]  # un-rotates the attention output
 
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
@@ -233,7 +224,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         dtype = dtype or self.dtype
         pk, pv = self._decoded(dtype, rotated)
         step = decode_step_function(self.k_bits, self.v_bits, rotated, dtype)
-        return DecodeSlot(pk, pv, step, rotated, unrotate_output if rotated else None)
+        return DecodeSlot(pk, pv, step, self.commit_decode_step, rotated, unrotate_output if rotated else None)
 
     def commit_decode_step(self, codes):
         """The write after the step: pack the step's codes and store them at ``offset``.
@@ -287,9 +278,6 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
 
 def turbo_scheme(m, opts):
     """``turbo-k<k>v<v>`` and ``turbo-k<k>v<v>-start<N>``: bf16-first TurboQuant (start 0 if absent)."""
-    from .schemes import Scheme  # late: schemes imports this module's scheme entry
-    from .transition import Bf16FirstCache, PendingConversion
-
     k_bits, v_bits, start = int(m["k"]), int(m["v"]), int(m["start"] or 0)
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 

@@ -1,9 +1,10 @@
 """``qkv`` and ``rotating-qkv``: mlx-lm's affine triples, keys then values."""
 
 from ..errors import CorruptSnapshotError
-from ..caches.quantized import AFFINE_BITS, AFFINE_GROUPS, QuantizedKVCache
+from ..caches.quantized import QuantizedKVCache
+from ..math.affine import AFFINE_BITS, AFFINE_GROUPS
 from ..caches.rotating import RotatingQuantizedKVCache
-from .base import Codec, expect_slots, require, same_prefix
+from .base import Codec, expect_slots, same_prefix
 from .ring import check_ring
 
 SLOTS = ("kPacked", "kScales", "kBiases", "vPacked", "vScales", "vBiases")
@@ -15,7 +16,6 @@ def affine_slots(keys, values, n=None):
 
 
 def check_affine_entry(entry, shapes):
-    require(entry, "bits", "groupSize")
     bits, group = entry["bits"], entry["groupSize"]
     if bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
         raise CorruptSnapshotError(f"{entry['kind']} entry: unsupported bits={bits} groupSize={group}")
@@ -37,18 +37,12 @@ def affine_geometry(shapes, bits):
 
 
 class AffineCodec(Codec):
-    persisted_kind = "qkv"
-
-    def handles(self, kind):
-        return kind.startswith("kv:quant:")
-
     def encode(self, cache):
         n = cache.offset
         fields = {"offset": n, "groupSize": cache.group_size, "bits": cache.bits}
         return fields, affine_slots(cache.keys, cache.values, n)
 
     def check(self, entry, shapes):
-        require(entry, "offset")
         check_affine_entry(entry, shapes)
         if shapes["kPacked"][2] != entry["offset"]:
             raise CorruptSnapshotError(
@@ -66,11 +60,6 @@ class AffineCodec(Codec):
 
 
 class RotatingAffineCodec(Codec):
-    persisted_kind = "rotating-qkv"
-
-    def handles(self, kind):
-        return kind.startswith("kv:rotating-quant:")
-
     def encode(self, cache):
         n = min(cache.offset, cache._rows())
         fields = {

@@ -2,21 +2,15 @@
 
 from ..errors import CorruptSnapshotError
 from ..caches.arrays import ArraysCache
-from .base import Codec, require
+from .base import Codec
 
 
 class ArraysCodec(Codec):
-    persisted_kind = "ssm"
-
-    def handles(self, kind):
-        return kind == "ssm"
-
     def encode(self, cache):
         slots = [(str(i), a) for i, a in enumerate(cache.cache) if a is not None]
         return {"offset": cache.offset, "size": len(cache.cache)}, slots
 
     def check(self, entry, shapes):
-        require(entry, "offset", "size")
         names = list(shapes)
         idx = [int(n) if n.isdigit() else -1 for n in names]
         if any(i < 0 or i >= entry["size"] for i in idx) or idx != sorted(set(idx)):

@@ -3,33 +3,37 @@
 A codec knows a live cache class and its slot order; it knows nothing of files. The state
 layer asks it to ``encode`` a cache into ``(fields, slots)`` and, after checking the file,
 to ``check`` a header entry (before any tensor is read) and ``decode`` the tensors back.
+Which codec serves which kind, and the type of every header field, is the kind table's
+(``mlxkv.families``); ``check_fields`` applies those types before any codec looks.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..checks import is_count, is_int
 from ..errors import CorruptSnapshotError
+from ..families import COUNT, FLAG, SIGN
+
+_FIELD_RULES = {
+    COUNT: (is_count, "an integer >= 0"),
+    SIGN: (lambda v: is_int(v) and v in (1, -1), "+1 or -1"),
+    FLAG: (lambda v: isinstance(v, bool), "a JSON bool"),
+}
 
 
-@dataclass(frozen=True)
-class SlotSpec:
-    """What a reader may expect of one slot before reading it."""
-
-    name: str
-    dtypes: Tuple[str, ...]  # allowed safetensors dtype names ("BF16", "U32", ...)
-    rank: int = 4
+def check_fields(entry: dict, fields: Mapping[str, str]) -> None:
+    """Every declared header field is present with its type (:data:`~mlxkv.families.COUNT`,
+    ``SIGN`` or ``FLAG``); raise :class:`CorruptSnapshotError` naming the first that is not."""
+    for name, kind in fields.items():
+        ok, what = _FIELD_RULES[kind]
+        if not ok(entry.get(name)):
+            raise CorruptSnapshotError(
+                f"{entry.get('kind')!s} entry: field {name!r} must be {what}, got {entry.get(name)!r}"
+            )
 
 
 class Codec:
-    #: the short name written in snapshot headers ("kv", "qkv", ...)
-    persisted_kind: str = ""
-
-    def handles(self, kind: str) -> bool:
-        """Does this codec persist caches whose live ``kind`` is ``kind``?"""
-        raise NotImplementedError
-
     def encode(self, cache) -> Tuple[dict, List[Tuple[str, mx.array]]]:
         """Header fields (besides kind, tensors and minimumReusableOffset) and the
         (slot name, array) pairs in slot order."""
@@ -52,16 +56,6 @@ class Codec:
     def geometry(self, entry: dict, shapes: Dict[str, Sequence[int]]):
         """(n_kv_heads, head_dim) of the stored keys, or None for state without heads."""
         return None
-
-
-def require(entry: dict, *names: str, kind: str = "") -> None:
-    """Every header field in ``names`` is present and an integer."""
-    for n in names:
-        v = entry.get(n)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise CorruptSnapshotError(
-                f"{kind or entry.get('kind')!s} entry: field {n!r} must be an integer, got {v!r}"
-            )
 
 
 def expect_slots(entry: dict, shapes: Dict[str, Sequence[int]], names: Sequence[str]) -> None:

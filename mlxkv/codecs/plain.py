@@ -1,24 +1,18 @@
 """``kv``: keys and values sliced to offset; restores with slack capacity."""
 
 from ..caches.plain import KVCache
-from .base import Codec, expect_slots, require, same_prefix
+from .base import Codec, expect_slots, same_prefix
 from ..errors import CorruptSnapshotError
 
 SLOTS = ("keys", "values")
 
 
 class PlainCodec(Codec):
-    persisted_kind = "kv"
-
-    def handles(self, kind):
-        return kind == "kv:plain"
-
     def encode(self, cache):
         n = cache.offset
         return {"offset": n}, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
 
     def check(self, entry, shapes):
-        require(entry, "offset")
         expect_slots(entry, shapes, SLOTS)
         same_prefix(entry, shapes, SLOTS)
         if shapes["keys"][2] != entry["offset"]:

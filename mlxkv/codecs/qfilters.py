@@ -17,11 +17,6 @@ SLOTS = ("keys", "values", "positions", "scores", "filter")
 
 
 class QFiltersCodec(Codec):
-    persisted_kind = "qfilters"
-
-    def handles(self, kind):
-        return kind.startswith("kv:qfilters:")
-
     def encode(self, cache):
         fields = {
             "offset": cache.offset,
@@ -38,16 +33,14 @@ class QFiltersCodec(Codec):
         return fields, slots
 
     def check(self, entry, shapes):
-        check_budget_fields(entry, "recent", "sign", "calibTokens")
+        check_budget_fields(entry)
         kind = "qfilters entry"
         budget, sink, recent = entry["budget"], entry["nSink"], entry["recent"]
-        if recent < 0 or sink + recent >= budget or entry["sign"] not in (1, -1) or entry["calibTokens"] < 2:
+        if sink + recent >= budget or entry["calibTokens"] < 2:
             raise CorruptSnapshotError(
                 f"{kind}: recent={recent} sign={entry['sign']} calibTokens={entry['calibTokens']} "
                 f"with nSink={sink} budget={budget} is not a configuration mlxkv writes"
             )
-        if not isinstance(entry.get("calibrated"), bool):
-            raise CorruptSnapshotError(f"{kind}: field 'calibrated' must be a JSON bool, got {entry.get('calibrated')!r}")
         has_filter = "filter" in shapes
         expect_slots(entry, shapes, SLOTS if has_filter else SLOTS[:4])
         dtypes = slot_dtypes(entry)

@@ -2,13 +2,12 @@
 
 from ..errors import CorruptSnapshotError
 from ..caches.rotating import RotatingKVCache
-from .base import Codec, expect_slots, require, same_prefix
+from .base import Codec, expect_slots, same_prefix
 
 SLOTS = ("keys", "values")
 
 
 def check_ring(entry, rows):
-    require(entry, "offset", "idx", "maxSize", "keep")
     off, idx, size, keep = entry["offset"], entry["idx"], entry["maxSize"], entry["keep"]
     if size <= 0 or not 0 <= keep < size or not 0 <= idx <= rows or rows > off or rows < min(off, size):
         raise CorruptSnapshotError(
@@ -18,11 +17,6 @@ def check_ring(entry, rows):
 
 
 class RingCodec(Codec):
-    persisted_kind = "rotating"
-
-    def handles(self, kind):
-        return kind == "kv:rotating-plain"
-
     def encode(self, cache):
         n = min(cache.offset, cache._rows())  # rows past offset are unwritten slack
         fields = {"offset": cache.offset, "idx": cache._idx, "maxSize": cache.max_size, "keep": cache.keep}

@@ -8,7 +8,7 @@ step, so T == min(offset, budget). Restores position-exact.
 
 from ..errors import CorruptSnapshotError
 from ..caches.tova import TOVAKVCache
-from .base import Codec, expect_slots, require, same_prefix
+from .base import Codec, expect_slots, same_prefix
 
 SLOTS = ("keys", "values", "positions")
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -38,9 +38,8 @@ def check_rows(entry: dict, shapes: dict, dtypes: dict, scored=()):
             raise CorruptSnapshotError(f"{kind} entry: slot {name} must be {dtype}, got {dtypes.get(name)}")
 
 
-def check_budget_fields(entry: dict, *names: str):
-    require(entry, "offset", "budget", "nSink", *names)
-    if entry["offset"] < 0 or entry["budget"] < 1 or entry["nSink"] < 0 or entry["nSink"] >= entry["budget"]:
+def check_budget_fields(entry: dict):
+    if entry["budget"] < 1 or entry["nSink"] >= entry["budget"]:
         raise CorruptSnapshotError(
             f"{entry.get('kind')} entry: offset={entry['offset']} budget={entry['budget']} "
             f"nSink={entry['nSink']} is not a configuration mlxkv writes"
@@ -48,11 +47,6 @@ def check_budget_fields(entry: dict, *names: str):
 
 
 class TOVACodec(Codec):
-    persisted_kind = "tova"
-
-    def handles(self, kind):
-        return kind.startswith("kv:tova:")
-
     def encode(self, cache):
         fields = {"offset": cache.offset, "budget": cache.budget, "nSink": cache.n_sink}
         return fields, [("keys", cache.keys), ("values", cache.values), ("positions", cache.positions)]

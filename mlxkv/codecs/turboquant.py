@@ -21,7 +21,7 @@ or widths inconsistent with headDim and the bits, before any tensor is read. The
 from ..errors import CacheConfigError, CorruptSnapshotError
 from ..caches.turboquant import SLOTS, TurboQuantKVCache
 from ..math import turboquant as tq
-from .base import Codec, expect_slots, require, same_prefix
+from .base import Codec, expect_slots, same_prefix
 
 
 def slot_layout(head_dim: int, k_bits: int, v_bits: int):
@@ -37,11 +37,6 @@ def slot_layout(head_dim: int, k_bits: int, v_bits: int):
 
 
 class TurboQuantCodec(Codec):
-    persisted_kind = "turboquant"
-
-    def handles(self, kind):
-        return kind.startswith("kv:turboquant:")
-
     def encode(self, cache):
         n = cache.offset
         fields = {"offset": n, "kBits": cache.k_bits, "vBits": cache.v_bits, "headDim": cache.head_dim}
@@ -49,7 +44,6 @@ class TurboQuantCodec(Codec):
 
     def check(self, entry, shapes):
         kind = entry.get("kind")
-        require(entry, "offset", "kBits", "vBits", "headDim")
         k_bits, v_bits, d, n = entry["kBits"], entry["vBits"], entry["headDim"], entry["offset"]
         try:
             tq.check_bits(k_bits, v_bits)

@@ -1,64 +1,123 @@
-"""Kinds and capabilities: the codec registry and the string predicates of DESIGN section 3.
+"""The kind table's records: one per cache family, and the capability predicates.
 
-Every dispatch on a cache goes through ``kind`` (a string) and raises
-:class:`~mlxkv.errors.UnknownKindError` for a kind nothing handles. A new persisted kind is
-one line in ``CODECS``.
+Each record is everything mlxkv knows about a family (docs/format.md lists the persisted
+kinds, their fields and slots): its live kind, persisted kind, live cache, codec, header
+fields, row layout, compiled-decode slot and scheme parser. Adding a family is one live
+cache module, one codec module and one record here (or ``register_family`` from user code).
 """
 
-from typing import Dict, List
-
+from ..batched.arrays import arrays_rows
+from ..batched.formats import affine_ring_rows, affine_rows, plain_rows, ring_rows, turbo_rows
+from ..batched.qfilters import qfilters_rows
+from ..batched.tova import tova_rows
+from ..caches.arrays import ArraysCache
+from ..caches.compiled import affine_decode_slot, plain_decode_slot
+from ..caches.plain import PLAIN_SCHEME, KVCache, plain_scheme
+from ..caches.qfilters import QFILTERS_SCHEME, QFiltersKVCache, qfilters_scheme
+from ..caches.quantized import AFFINE_SCHEME, QuantizedKVCache, affine_scheme
+from ..caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
+from ..caches.tova import TOVA_SCHEME, TOVAKVCache, tova_scheme
+from ..caches.turboquant import TURBO_SCHEME, TurboQuantKVCache, turbo_scheme
 from ..codecs.affine import AffineCodec, RotatingAffineCodec
 from ..codecs.arrays import ArraysCodec
-from ..codecs.base import Codec
+from ..codecs.base import check_fields
 from ..codecs.plain import PlainCodec
 from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
-from ..errors import UnknownKindError
-from ..caches.base import kind_of
+from ..families import COUNT, FLAG, SIGN, Family, family_of_persisted, kind_of, register_family
 
-CODECS: List[Codec] = [
-    PlainCodec(),
-    AffineCodec(),
-    RingCodec(),
-    RotatingAffineCodec(),
-    ArraysCodec(),
-    TurboQuantCodec(),
-    TOVACodec(),
-    QFiltersCodec(),
+RING_FIELDS = {"offset": COUNT, "idx": COUNT, "maxSize": COUNT, "keep": COUNT}
+AFFINE_FIELDS = {"groupSize": COUNT, "bits": COUNT}
+BUDGET_FIELDS = {"offset": COUNT, "budget": COUNT, "nSink": COUNT}
+
+FAMILIES = [
+    Family(
+        kind="kv:plain",
+        persisted="kv",
+        cache=KVCache,
+        codec=PlainCodec(),
+        fields={"offset": COUNT},
+        rows=plain_rows,
+        decode_slot=plain_decode_slot,
+        scheme=(PLAIN_SCHEME, plain_scheme),
+    ),
+    Family(
+        kind="kv:quant:",
+        persisted="qkv",
+        cache=QuantizedKVCache,
+        codec=AffineCodec(),
+        fields={"offset": COUNT, **AFFINE_FIELDS},
+        rows=affine_rows,
+        decode_slot=affine_decode_slot,
+        scheme=(AFFINE_SCHEME, affine_scheme),
+    ),
+    Family(
+        kind="kv:rotating-plain",
+        persisted="rotating",
+        cache=RotatingKVCache,
+        codec=RingCodec(),
+        fields=RING_FIELDS,
+        rows=ring_rows,
+    ),
+    Family(
+        kind="kv:rotating-quant:",
+        persisted="rotating-qkv",
+        cache=RotatingQuantizedKVCache,
+        codec=RotatingAffineCodec(),
+        fields={**RING_FIELDS, **AFFINE_FIELDS},
+        rows=affine_ring_rows,
+    ),
+    Family(
+        kind="ssm",
+        persisted="ssm",
+        cache=ArraysCache,
+        codec=ArraysCodec(),
+        fields={"offset": COUNT, "size": COUNT},
+        rows=arrays_rows,
+    ),
+    Family(
+        kind="kv:turboquant:",
+        persisted="turboquant",
+        cache=TurboQuantKVCache,
+        codec=TurboQuantCodec(),
+        fields={"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT},
+        rows=turbo_rows,
+        decode_slot=lambda cache: cache.prepare_decode_step(),
+        scheme=(TURBO_SCHEME, turbo_scheme),
+    ),
+    Family(
+        kind="kv:tova:",
+        persisted="tova",
+        cache=TOVAKVCache,
+        codec=TOVACodec(),
+        fields=BUDGET_FIELDS,
+        rows=tova_rows,
+        scheme=(TOVA_SCHEME, tova_scheme),
+    ),
+    Family(
+        kind="kv:qfilters:",
+        persisted="qfilters",
+        cache=QFiltersKVCache,
+        codec=QFiltersCodec(),
+        fields={**BUDGET_FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG},
+        rows=qfilters_rows,
+        scheme=(QFILTERS_SCHEME, qfilters_scheme),
+    ),
 ]
 
-
-def register_codec(codec: Codec) -> None:
-    if any(c.persisted_kind == codec.persisted_kind for c in CODECS):
-        raise ValueError(f"persisted kind {codec.persisted_kind!r} is registered already")
-    CODECS.append(codec)
+for _family in FAMILIES:
+    register_family(_family)
 
 
-def _by_persisted() -> Dict[str, Codec]:
-    return {c.persisted_kind: c for c in CODECS}
-
-
-def known_persisted_kinds() -> List[str]:
-    return [c.persisted_kind for c in CODECS]
-
-
-def codec_for_kind(kind: str) -> Codec:
-    """The codec persisting live caches of ``kind``."""
-    for c in CODECS:
-        if c.handles(kind):
-            return c
-    if kind.startswith("kv:batched"):
-        raise UnknownKindError(kind, "batched layouts have no codec: extract rows to serial caches first")
-    raise UnknownKindError(kind, "no codec persists it")
-
-
-def codec_for_persisted(persisted_kind: str) -> Codec:
-    codec = _by_persisted().get(persisted_kind)
-    if codec is None:
-        raise UnknownKindError(persisted_kind, "persisted kind in a snapshot header")
-    return codec
+def check_entry(entry: dict, shapes: dict):
+    """Every check a header entry goes through before any tensor is read: its family's
+    field types, then its codec's rules over fields and slot shapes. Returns the family."""
+    family = family_of_persisted(entry.get("kind"))
+    check_fields(entry, family.fields)
+    family.codec.check(entry, shapes)
+    return family
 
 
 # -- capability predicates: string compares only --------------------------------------

@@ -1,4 +1,4 @@
-"""Snapshots: every cache of a model in one safetensors file (DESIGN section 4).
+"""Snapshots: every cache of a model in one safetensors file (docs/format.md).
 
 ``save`` encodes each cache through its kind's codec and streams the tensors to an atomic
 write; ``load`` checks the whole header (version, provider, kinds, identity, geometry, slot
@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..families import family_of_kind, family_of_persisted, kind_of
 from ..io.safetensors import (
     SafetensorsHeader,
     crc32_hex,
@@ -33,7 +34,7 @@ from ..caches.masks import ForwardMasks
 from ..caches.schemes import scheme_for_pending
 from ..caches.transition import Bf16FirstCache
 from .identity import IDENTITY_FIELDS, model_geometry
-from .kinds import codec_for_kind, codec_for_persisted, kind_of
+from .kinds import check_entry, is_recurrent_cache
 
 FORMAT_VERSION = 1
 CODEC_PROVIDER = "mlxkv"
@@ -55,7 +56,7 @@ class Snapshot:
 
 
 def _is_empty(cache) -> bool:
-    if kind_of(cache) == "ssm":
+    if is_recurrent_cache(cache):
         return all(a is None for a in cache.cache)
     return cache.offset == 0
 
@@ -66,18 +67,18 @@ def _encode_all(caches, tokens):
     entries, tensors = [], []
     for i, cache in enumerate(caches):
         kind = kind_of(cache)
-        codec = codec_for_kind(kind)  # unknown kinds fail before anything is written
+        family = family_of_kind(kind)  # unknown kinds fail before anything is written
         if _is_empty(cache):
             raise EmptyCacheError(
                 f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving"
             )
-        if kind != "ssm" and cache.offset != len(tokens):
+        if not is_recurrent_cache(cache) and cache.offset != len(tokens):
             raise SnapshotError(
                 f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
                 "tokens must be the exact prefix the caches encode"
             )
-        fields, slots = codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
-        entry = {"kind": codec.persisted_kind, **fields, "minimumReusableOffset": cache.minimum_reusable_offset}
+        fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+        entry = {"kind": family.persisted, **fields, "minimumReusableOffset": cache.minimum_reusable_offset}
         pending = getattr(cache, "pending_conversion", None)
         if pending is not None:
             entry["pendingConversion"] = pending
@@ -192,7 +193,7 @@ def _parse(st: SafetensorsHeader) -> dict:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), list):
             raise CorruptSnapshotError(f"{path}: cache entry {i} is malformed")
-        codec = codec_for_persisted(entry.get("kind"))
+        family_of_persisted(entry.get("kind"))  # an unknown kind is named before its tensors
         shapes = {}
         for t in entry["tensors"]:
             name = t.get("name") if isinstance(t, dict) else None
@@ -213,7 +214,7 @@ def _parse(st: SafetensorsHeader) -> dict:
         if not isinstance(entry.get("minimumReusableOffset"), int):
             raise CorruptSnapshotError(f"{path}: cache entry {i} lacks minimumReusableOffset")
         try:
-            codec.check(entry, shapes)
+            check_entry(entry, shapes)
         except CorruptSnapshotError as e:
             raise CorruptSnapshotError(f"{path}: cache entry {i}: {e}") from None
         if "pendingConversion" in entry:
@@ -254,7 +255,7 @@ def _check_geometry(path, header, model):
         )
     for i, entry in enumerate(entries):
         shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
-        g = codec_for_persisted(entry["kind"]).geometry(entry, shapes)
+        g = family_of_persisted(entry["kind"]).codec.geometry(entry, shapes)
         if g is None:
             continue
         heads, dim = g
@@ -282,7 +283,7 @@ def load(
         _check_geometry(path, header, model)
 
     masks = ForwardMasks()
-    entries = [(entry, codec_for_persisted(entry["kind"])) for entry in header["caches"]]
+    entries = [(entry, family_of_persisted(entry["kind"]).codec) for entry in header["caches"]]
     with TensorReader(st) as reader:
         requests = [
             (t["name"], t["crc32"] if verify else None, codec.capacity(entry))

@@ -1,0 +1,113 @@
+"""Storages: how a batched layout encodes positions, what it hands mlx-lm to attend and how it
+decodes them for block reads; their fill values pad rows.
+
+- ``encode_keys``/``encode_values``: new positions ``[B, H, N, D]`` -> the stored tuple;
+- ``fetch_keys``/``fetch_values``: the stored tuple -> what ``update_and_fetch`` returns (the
+  arrays for plain rows, the affine triple so mlx-lm takes its quantized SDPA, decoded keys
+  for TurboQuant);
+- ``decode_keys``/``decode_values``: the stored tuple -> dense arrays.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..math import bitpack
+from ..math import turboquant as tq
+
+
+@dataclass(frozen=True)
+class PlainStorage:
+    affine = False
+    key_fills = value_fills = (0,)
+
+    def encode_keys(self, x):
+        return (x,)
+
+    encode_values = encode_keys
+
+    def fetch_keys(self, t, dtype=None):
+        return t[0]
+
+    fetch_values = decode_keys = decode_values = fetch_keys
+
+
+@dataclass(frozen=True)
+class AffineStorage:
+    """mlx-lm's affine triples (packed, scales, biases), quantized per token."""
+
+    bits: int
+    group_size: int
+    affine = True
+    key_fills = value_fills = (0, 0, 0)
+
+    def encode_keys(self, x):
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    encode_values = encode_keys
+
+    def fetch_keys(self, t, dtype=None):
+        return t
+
+    fetch_values = fetch_keys
+
+    def decode_keys(self, t, dtype=None):
+        return mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
+
+    decode_values = decode_keys
+
+
+@dataclass(frozen=True)
+class TurboStorage:
+    """TurboQuant's five arrays: keys (kIdx, kScales, kZeros), values (vPacked, vScales).
+    mlx-lm attends the eager decode; all-zero padding codes decode to zeros."""
+
+    k_bits: int
+    v_bits: int
+    affine = False
+    key_fills = (0, 0, 0)
+    value_fills = (0, 0)
+
+    def encode_keys(self, x):
+        idx, scales, zeros = tq.encode_keys(x, self.k_bits)
+        return tq.pack_keys(idx, self.k_bits), scales, zeros
+
+    def encode_values(self, x):
+        idx, scales = tq.encode_values(x, self.v_bits)
+        return bitpack.pack(idx, self.v_bits), scales
+
+    def decode_keys(self, t, dtype=mx.bfloat16):
+        k_idx, scales, zeros = t
+        d = scales.shape[-1] * tq.GROUP
+        return tq.decode_keys(tq.unpack_keys(k_idx, self.k_bits, d), scales, zeros).astype(dtype)
+
+    def decode_values(self, t, dtype=mx.bfloat16):
+        packed, scales = t
+        d = scales.shape[-1] * tq.GROUP
+        return tq.decode_values(bitpack.unpack(packed, self.v_bits, d), scales, self.v_bits).astype(dtype)
+
+    fetch_keys, fetch_values = decode_keys, decode_values
+
+
+@dataclass(frozen=True)
+class EvictionStorage:
+    """Eviction rows: keys (keys, positions[..., None][, scores[..., None]]), values
+    (values,). Padding positions are -1; mlx-lm attends the keys and values as stored."""
+
+    scored: bool
+    affine = False
+    value_fills = (0,)
+
+    @property
+    def key_fills(self):
+        return (0, -1, 0) if self.scored else (0, -1)
+
+    def encode_keys(self, x):  # the batch encodes: positions depend on each row's offset
+        raise NotImplementedError
+
+    encode_values = encode_keys
+
+    def fetch_keys(self, t, dtype=None):
+        return t[0]
+
+    fetch_values = decode_keys = decode_values = fetch_keys

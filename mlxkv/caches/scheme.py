@@ -1,0 +1,16 @@
+"""A parsed cache scheme: how to build the cache of one full-attention layer.
+
+Each family that a scheme string can name (``bf16``, ``kv4``, ``turbo-k8v3``, ...) declares
+``(pattern, parse)`` in its kind record; ``parse(match, options)`` returns a :class:`Scheme`.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    build: Callable[[int, dict], object]  # (layer index, options) -> cache
+    quantizes: bool  # sliding-window layers stay bf16 under it (make_cache warns)
+    ring: Optional[Callable[[int, int], object]] = None  # (max_size, keep) -> ring cache

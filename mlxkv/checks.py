@@ -1,0 +1,22 @@
+"""Field checks shared by every layer: one function per rule.
+
+JSON and Python both let ``True`` pass for ``1``; a count, a bit width or a token id never
+is a bool, so these refuse it.
+"""
+
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: Any) -> bool:
+    """An integer >= 0 that is not a bool."""
+    return is_int(value) and value >= 0
+
+
+def is_int_list(value: Any) -> bool:
+    """A list whose every element is an integer (not a bool)."""
+    return isinstance(value, list) and all(is_int(v) for v in value)

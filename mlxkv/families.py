@@ -1,0 +1,140 @@
+"""The kind table: one record per cache family, read by every dispatch on a kind.
+
+A family names its live ``kind`` (exact, or a prefix ending in ``:`` for parameterized kinds
+such as ``kv:quant:<bits>:<group>``), the persisted kind written in snapshot headers, its
+live cache class, its codec, its row layout, its compiled-decode slot, its scheme parser and
+the header fields its entries carry. Saving, loading, joining rows, building caches from a
+scheme and compiled decode all look the family up here; nothing else routes on a kind.
+
+The records are declared in ``mlxkv.state.kinds`` (they name classes of every layer) and
+registered when ``mlxkv`` is imported; this module, at the bottom of the package, only holds
+the table, so any layer may read it without importing the layers above.
+
+An unknown kind is a bug, not a route: every lookup raises
+:class:`~mlxkv.errors.UnknownKindError` naming the kind.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Mapping, Optional, Tuple
+
+from .errors import UnknownKindError
+
+#: field types of header entries: an integer >= 0, +1 or -1, a JSON bool
+COUNT, SIGN, FLAG = "count", "sign", "flag"
+BATCHED_PREFIX = "kv:batched-"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One cache family.
+
+    - ``kind``: the live kind, exact (``"kv:plain"``) or a prefix ending in ``:``;
+    - ``persisted``: the short kind written in snapshot headers (``"kv"``, ``"qkv"``, ...);
+    - ``cache``: the live cache class;
+    - ``codec``: ``encode(cache) -> (fields, slots)``, ``check(entry, shapes)``,
+      ``decode(entry, tensors)``, ``capacity(entry)``, ``geometry(entry, shapes)``;
+    - ``fields``: the header fields of an entry besides ``kind``, ``tensors`` and
+      ``minimumReusableOffset``, each with its type (:data:`COUNT`, :data:`SIGN`, :data:`FLAG`);
+    - ``rows``: ``rows(serial_cache) -> row format`` whose ``merge(rows)`` builds the batched
+      layout; None when rows of this family cannot share a batch;
+    - ``decode_slot``: ``decode_slot(cache) -> DecodeSlot`` for one compiled decode step, or
+      None;
+    - ``scheme``: ``(pattern, parse)`` where ``parse(match, options) -> Scheme`` builds the
+      caches of a scheme string matching ``pattern``; None for families no scheme names
+      (rings and recurrent state follow the model's own layers).
+    """
+
+    kind: str
+    persisted: str
+    cache: type
+    codec: object
+    fields: Mapping[str, str] = field(default_factory=dict)
+    rows: Optional[Callable] = None
+    decode_slot: Optional[Callable] = None
+    scheme: Optional[Tuple[str, Callable]] = None
+
+    def matches(self, kind: str) -> bool:
+        """Is ``kind`` this family's live kind?"""
+        return kind.startswith(self.kind) if self.kind.endswith(":") else kind == self.kind
+
+    @property
+    def batched_kind(self) -> str:
+        """The kind (or prefix) of this family's batched layout: ``kv:batched-`` plus the
+        live kind without its ``kv:``."""
+        return BATCHED_PREFIX + self.kind.removeprefix("kv:")
+
+
+_FAMILIES: List[Family] = []
+
+
+def register_family(family: Family) -> Family:
+    """Add a family to the table. Its kind and persisted kind must be new."""
+    for f in _FAMILIES:
+        if f.persisted == family.persisted:
+            raise ValueError(f"persisted kind {family.persisted!r} is registered already")
+        if f.matches(family.kind) or family.matches(f.kind):
+            raise ValueError(f"kind {family.kind!r} overlaps the registered kind {f.kind!r}")
+    _FAMILIES.append(family)
+    return family
+
+
+def unregister_family(persisted: str) -> None:
+    """Remove a family (a test that registered a toy family cleans up with this)."""
+    _FAMILIES[:] = [f for f in _FAMILIES if f.persisted != persisted]
+
+
+def families() -> List[Family]:
+    return list(_FAMILIES)
+
+
+def known_persisted_kinds() -> List[str]:
+    return [f.persisted for f in _FAMILIES]
+
+
+def _unknown(kind, where: str) -> UnknownKindError:
+    return UnknownKindError(kind, where, known_persisted_kinds())
+
+
+def family_of_kind(kind: str, where: str = "no family handles it") -> Family:
+    """The family of a live ``kind``."""
+    if isinstance(kind, str):
+        for f in _FAMILIES:
+            if f.matches(kind):
+                return f
+        if kind.startswith(BATCHED_PREFIX):
+            where = "batched layouts have no codec: extract rows to serial caches first"
+    raise _unknown(kind, where)
+
+
+def family_of_persisted(persisted, where: str = "persisted kind in a snapshot header") -> Family:
+    """The family of a persisted kind (a snapshot header's ``kind``)."""
+    for f in _FAMILIES:
+        if f.persisted == persisted:
+            return f
+    raise _unknown(persisted, where)
+
+
+def family_of_batched_kind(kind: str) -> Family:
+    """The family whose batched layout reports ``kind``."""
+    if isinstance(kind, str):
+        for f in _FAMILIES:
+            b = f.batched_kind
+            if f.rows is not None and (kind.startswith(b) if b.endswith(":") else kind == b):
+                return f
+    raise _unknown(kind, "batched rows: not a batched layout mlxkv knows")
+
+
+def scheme_families() -> List[Family]:
+    return [f for f in _FAMILIES if f.scheme is not None]
+
+
+def kind_of(cache) -> str:
+    """The cache's ``kind``; a cache that declares none is an error, never a guess."""
+    kind = getattr(cache, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise UnknownKindError(
+            kind,
+            f"{type(cache).__name__} declares no kind; build mlxkv caches with "
+            "mlxkv.make_cache(model, scheme), or convert an mlx-lm prompt-cache file with `mlxkv convert`",
+        )
+    return kind
