@@ -23,9 +23,9 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mlxkv  # noqa: E402
-from mlxkv import KVCache, QFiltersKVCache, TOVAKVCache  # noqa: E402
-from mlxkv.seeded import build_model, prompt  # noqa: E402
+import mlxkv
+from mlxkv import KVCache, QFiltersKVCache, TOVAKVCache
+from mlxkv.seeded import build_model, prompt
 
 B, H, D = 1, 8, 128
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "eviction.json")
@@ -94,8 +94,15 @@ def tova_prefill(T=2048, budget=64, n_sink=4):
     assert all(c.positions[0, h].tolist() == ref_state[h][2].tolist() for h in range(H)), "TOVA kept sets differ"
     t_vec = timed(vectorized, repeat=3)
     t_ref = timed(lambda: reference_tova(k, v, budget, n_sink), repeat=1, warmup=0)
-    return {"tokens": T, "budget": budget, "nSink": n_sink, "shape": [B, H, T, D],
-            "vectorized_s": t_vec, "reference_s": t_ref, "speedup": t_ref / t_vec}
+    return {
+        "tokens": T,
+        "budget": budget,
+        "nSink": n_sink,
+        "shape": [B, H, T, D],
+        "vectorized_s": t_vec,
+        "reference_s": t_ref,
+        "speedup": t_ref / t_vec,
+    }
 
 
 def tova_decode(budget=512, n_sink=4, steps=20):
@@ -127,8 +134,15 @@ def tova_decode(budget=512, n_sink=4, steps=20):
     t_vec = timed(vec_step, repeat=steps, warmup=2)
     t_ref = timed(ref_step, repeat=steps // 2, warmup=1)
     t_plain = timed(plain_step, repeat=steps, warmup=2)
-    return {"budget": budget, "shape": [B, H, budget, D], "vectorized_step_s": t_vec, "reference_step_s": t_ref,
-            "speedup": t_ref / t_vec, "plain_append_step_s": t_plain, "vs_plain_append": t_vec / t_plain}
+    return {
+        "budget": budget,
+        "shape": [B, H, budget, D],
+        "vectorized_step_s": t_vec,
+        "reference_step_s": t_ref,
+        "speedup": t_ref / t_vec,
+        "plain_append_step_s": t_plain,
+        "vs_plain_append": t_vec / t_plain,
+    }
 
 
 def qfilters_prefill(T=4096, budget=512, n_sink=4):
@@ -149,8 +163,14 @@ def qfilters_prefill(T=4096, budget=512, n_sink=4):
     for chunk in (T, 1024, 256, 64):
         c = run(chunk)
         same = bool(mx.array_equal(c.positions, one.positions).item() and mx.array_equal(c.keys, one.keys).item())
-        rows.append({"chunk": chunk, "eviction_calls": math.ceil(max(0, T - budget) / chunk) if chunk < T else 1,
-                     "seconds": timed(lambda: run(chunk), repeat=3), "identical_to_one_shot": same})
+        rows.append(
+            {
+                "chunk": chunk,
+                "eviction_calls": math.ceil(max(0, T - budget) / chunk) if chunk < T else 1,
+                "seconds": timed(lambda chunk=chunk: run(chunk), repeat=3),
+                "identical_to_one_shot": same,
+            }
+        )
     base = rows[0]["seconds"]
     for r in rows:
         r["vs_one_shot"] = r["seconds"] / base
@@ -182,7 +202,12 @@ def cache_decode_vs_plain(budget=512, context=2048, steps=30):
 
         out[name] = timed(step, repeat=steps, warmup=3)
     base = out[f"plain@{budget}"]
-    return {"budget": budget, "context": context, "step_s": out, "vs_plain_same_rows": {n: s / base for n, s in out.items()}}
+    return {
+        "budget": budget,
+        "context": context,
+        "step_s": out,
+        "vs_plain_same_rows": {n: s / base for n, s in out.items()},
+    }
 
 
 def model_decode_vs_plain(context=1024, budget=512, steps=20):
@@ -199,15 +224,23 @@ def model_decode_vs_plain(context=1024, budget=512, steps=20):
             mx.eval(model(mx.array([[toks[i % len(toks)]]]), cache=caches))
 
         out[scheme] = timed(step, repeat=steps, warmup=3)
-    return {"model": "seeded/llama@0 (4 layers, 2 kv heads, head_dim 64, bf16)", "context": context,
-            "step_s": out, "vs_plain": {n: s / out["bf16"] for n, s in out.items()}}
+    return {
+        "model": "seeded/llama@0 (4 layers, 2 kv heads, head_dim 64, bf16)",
+        "context": context,
+        "step_s": out,
+        "vs_plain": {n: s / out["bf16"] for n, s in out.items()},
+    }
 
 
 def main():
     t0 = time.time()
     results = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "mlx": mx.__version__, "device": str(mx.default_device())},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+        },
         "tova_prefill": tova_prefill(),
         "tova_decode": tova_decode(),
         "qfilters_prefill": qfilters_prefill(),
@@ -222,13 +255,23 @@ def main():
     ms = lambda s: f"{s * 1e3:9.2f} ms"
     tp, td = results["tova_prefill"], results["tova_decode"]
     print(f"eviction benchmarks on {results['machine']['device']} (mlx {mx.__version__}), B={B} H={H} D={D}")
-    print(f"TOVA prefill {tp['tokens']} tok @ budget {tp['budget']}: vectorized {ms(tp['vectorized_s'])} | reference loop {ms(tp['reference_s'])} | x{tp['speedup']:.1f}")
-    print(f"TOVA decode step @ budget {td['budget']}:        vectorized {ms(td['vectorized_step_s'])} | reference loop {ms(td['reference_step_s'])} | x{td['speedup']:.1f} | plain append {ms(td['plain_append_step_s'])}")
+    print(
+        f"TOVA prefill {tp['tokens']} tok @ budget {tp['budget']}: vectorized {ms(tp['vectorized_s'])} | "
+        f"reference loop {ms(tp['reference_s'])} | x{tp['speedup']:.1f}"
+    )
+    print(
+        f"TOVA decode step @ budget {td['budget']}:        vectorized {ms(td['vectorized_step_s'])} | "
+        f"reference loop {ms(td['reference_step_s'])} | x{td['speedup']:.1f} | "
+        f"plain append {ms(td['plain_append_step_s'])}"
+    )
     q = results["qfilters_prefill"]
     print(f"Q-Filters prefill {q['tokens']} tok @ budget {q['budget']} (calibrated):")
     for r in q["rows"]:
         label = "one-shot" if r["chunk"] == q["tokens"] else f"chunk {r['chunk']}"
-        print(f"  {label:>10}: {ms(r['seconds'])}  x{r['vs_one_shot']:.2f} of one-shot  identical={r['identical_to_one_shot']}")
+        print(
+            f"  {label:>10}: {ms(r['seconds'])}  x{r['vs_one_shot']:.2f} of one-shot  "
+            f"identical={r['identical_to_one_shot']}"
+        )
     c = results["cache_decode_vs_plain"]
     print(f"Cache decode step (append + 1-query attention), eviction caches hold {c['budget']} of {c['context']}:")
     for n, s in c["step_s"].items():

@@ -28,13 +28,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
 
-import mlxkv  # noqa: E402
-from mlxkv.io.safetensors import read_safetensors_header  # noqa: E402
-from mlxkv.io.tensor_reader import TensorReader  # noqa: E402
+import mlxkv
+from mlxkv.io.safetensors import read_safetensors_header
+from mlxkv.io.tensor_reader import TensorReader
 
 
 def build_arrays(layers, heads, tokens, dim):
@@ -192,11 +192,24 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix="mlxkv-bench-", dir=args.dir or os.path.dirname(args.out))
     paths = {n: os.path.join(workdir, f"{n}.safetensors") for n in ("numpy", "mlx_lm", "mlxkv")}
 
-    times = {k: [] for k in ("numpy_save", "numpy_load", "mlx_lm_save", "mlx_lm_load",
-                             "mlxkv_save", "mlxkv_load_verified", "mlxkv_load_unverified",
-                             "mlx_lm_load_then_append", "mlxkv_load_then_append",
-                             "exact_load", "exact_load_then_append",
-                             "mlx_lm_load_cold", "mlxkv_load_verified_cold")}
+    times = {
+        k: []
+        for k in (
+            "numpy_save",
+            "numpy_load",
+            "mlx_lm_save",
+            "mlx_lm_load",
+            "mlxkv_save",
+            "mlxkv_load_verified",
+            "mlxkv_load_unverified",
+            "mlx_lm_load_then_append",
+            "mlxkv_load_then_append",
+            "exact_load",
+            "exact_load_then_append",
+            "mlx_lm_load_cold",
+            "mlxkv_load_verified_cold",
+        )
+    }
     try:
         saves = {
             "numpy_save": (numpy_save, paths["numpy"], arrays),
@@ -223,8 +236,10 @@ def main(argv=None):
                 order.shuffle(names)
                 for name in names:
                     times[name].append(timed(*group[name]))
-            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms" for k, v in times.items()),
-                  file=sys.stderr)
+            print(
+                f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms" for k, v in times.items()),
+                file=sys.stderr,
+            )
 
         # correctness of what was timed: mlxkv gives back the same bytes
         def identical(caches):
@@ -252,21 +267,28 @@ def main(argv=None):
         "mlxkv_load_verified / numpy_load": med["mlxkv_load_verified"] / med["numpy_load"],
         "mlxkv_load_verified_cold / mlx_lm_load_cold": med["mlxkv_load_verified_cold"] / med["mlx_lm_load_cold"],
         "mlxkv_load_unverified / mlx_lm_load": med["mlxkv_load_unverified"] / med["mlx_lm_load"],
-        "mlxkv_load_then_append / mlx_lm_load_then_append": med["mlxkv_load_then_append"] / med["mlx_lm_load_then_append"],
+        "mlxkv_load_then_append / mlx_lm_load_then_append": med["mlxkv_load_then_append"]
+        / med["mlx_lm_load_then_append"],
         "exact_load / mlx_lm_load": med["exact_load"] / med["mlx_lm_load"],
-        "exact_load_then_append / mlx_lm_load_then_append": med["exact_load_then_append"] / med["mlx_lm_load_then_append"],
+        "exact_load_then_append / mlx_lm_load_then_append": med["exact_load_then_append"]
+        / med["mlx_lm_load_then_append"],
         "mlxkv_file / (logical + header)": sizes["mlxkv"] / (logical + st.data_start),
     }
     targets = {
         "save no slower than mlx_lm (<= 1.0)": ratios["mlxkv_save / mlx_lm_save"] <= 1.0,
-        "verified load within 1.5x of mlx_lm, page cache warm (<= 1.5)": ratios["mlxkv_load_verified / mlx_lm_load"] <= 1.5,
-        "verified load within 1.5x of mlx_lm, from disk (<= 1.5)":
-            ratios["mlxkv_load_verified_cold / mlx_lm_load_cold"] <= 1.5,
+        "verified load within 1.5x of mlx_lm, page cache warm (<= 1.5)": ratios["mlxkv_load_verified / mlx_lm_load"]
+        <= 1.5,
+        "verified load within 1.5x of mlx_lm, from disk (<= 1.5)": ratios["mlxkv_load_verified_cold / mlx_lm_load_cold"]
+        <= 1.5,
         "file <= logical + header": sizes["mlxkv"] <= logical + st.data_start,
     }
     result = {
-        "cache": {"layers": args.layers, "shape": [1, args.heads, args.tokens, args.dim], "dtype": "bfloat16",
-                  "logical_bytes": logical},
+        "cache": {
+            "layers": args.layers,
+            "shape": [1, args.heads, args.tokens, args.dim],
+            "dtype": "bfloat16",
+            "logical_bytes": logical,
+        },
         "repeats": args.repeats,
         "median_seconds": med,
         "min_seconds": best,
@@ -287,8 +309,10 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
-    print(f"cache: {args.layers} layers x K,V {[1, args.heads, args.tokens, args.dim]} bf16 = {logical / 2**20:.0f} MiB; "
-          f"median of {args.repeats}")
+    print(
+        f"cache: {args.layers} layers x K,V {[1, args.heads, args.tokens, args.dim]} bf16 = {logical / 2**20:.0f} MiB; "
+        f"median of {args.repeats}"
+    )
     w = max(len(k) for k in med)
     print(f"  {'':{w}}  {'median':>8}     {'min':>8}")
     for k, v in med.items():

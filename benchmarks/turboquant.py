@@ -29,12 +29,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-from mlxkv import KVCache, TurboQuantKVCache  # noqa: E402
-from mlxkv.math import turboquant as tq  # noqa: E402
-from mlxkv.caches.schemes import make_cache  # noqa: E402
-from mlxkv.seeded import build_model, prompt  # noqa: E402
+from mlxkv import KVCache, TurboQuantKVCache
+from mlxkv.caches.schemes import make_cache
+from mlxkv.math import turboquant as tq
+from mlxkv.seeded import build_model, prompt
 
 PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]
 STEP_PAIRS = [(8, 3), (4, 2)]
@@ -67,13 +67,18 @@ def codec_throughput(heads, dim, tokens, repeats):
     for kb, vb in PAIRS:
         stored = tq.encode(k, v, kb, vb)
         mx.eval(stored)
-        enc = best_time(lambda: mx.eval(tq.encode(k, v, kb, vb)), repeats)
-        dec = best_time(lambda: mx.eval(tq.decode(stored, kb, vb)), repeats)
-        rows.append({
-            "kBits": kb, "vBits": vb,
-            "encode_tokens_per_s": tokens / enc, "encode_MB_per_s": mb / enc,
-            "decode_tokens_per_s": tokens / dec, "decode_MB_per_s": mb / dec,
-        })
+        enc = best_time(lambda kb=kb, vb=vb: mx.eval(tq.encode(k, v, kb, vb)), repeats)
+        dec = best_time(lambda s=stored, kb=kb, vb=vb: mx.eval(tq.decode(s, kb, vb)), repeats)
+        rows.append(
+            {
+                "kBits": kb,
+                "vBits": vb,
+                "encode_tokens_per_s": tokens / enc,
+                "encode_MB_per_s": mb / enc,
+                "decode_tokens_per_s": tokens / dec,
+                "decode_MB_per_s": mb / dec,
+            }
+        )
     return {"heads": heads, "head_dim": dim, "tokens": tokens, "rows": rows}
 
 
@@ -116,8 +121,9 @@ def step_contenders(heads, q_heads, dim, context, kb, vb):
 
     def slot_step():
         slot = slotted.prepare_decode_step()
-        fn = compiled.setdefault("fn", mx.compile(
-            lambda pk, pv, qq, kk, vv: _attend(slot.step, pk, pv, qq, kk, vv, scale)))
+        fn = compiled.setdefault(
+            "fn", mx.compile(lambda pk, pv, qq, kk, vv: _attend(slot.step, pk, pv, qq, kk, vv, scale))
+        )
         out, codes = fn(slot.prefix_keys, slot.prefix_values, q, k1, v1)
         mx.eval(out, slotted.commit_decode_step(codes))
         slotted.trim(1)
@@ -144,11 +150,15 @@ def decode_steps(heads, q_heads, dim, contexts, repeats):
                     fn()
                     times[name].append(time.perf_counter() - t0)
             med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            rows.append({
-                "context": context, "kBits": kb, "vBits": vb,
-                **{f"{n}_ms": m for n, m in med.items()},
-                **{f"{n}_vs_bf16": med[n] / med["bf16"] for n in ("eager", "deferred", "slot")},
-            })
+            rows.append(
+                {
+                    "context": context,
+                    "kBits": kb,
+                    "vBits": vb,
+                    **{f"{n}_ms": m for n, m in med.items()},
+                    **{f"{n}_vs_bf16": med[n] / med["bf16"] for n in ("eager", "deferred", "slot")},
+                }
+            )
     return {"heads": heads, "q_heads": q_heads, "head_dim": dim, "rows": rows}
 
 
@@ -157,9 +167,16 @@ def decode_steps(heads, q_heads, dim, contexts, repeats):
 
 def bytes_table(dims=(64, 128)):
     return [
-        {"head_dim": d, "kBits": kb, "vBits": vb, "bytes_per_token_per_head": tq.bytes_per_head(d, kb, vb),
-         "bf16_bytes": 4 * d, "ratio_to_bf16": tq.bytes_per_head(d, kb, vb) / (4 * d)}
-        for d in dims for kb, vb in PAIRS
+        {
+            "head_dim": d,
+            "kBits": kb,
+            "vBits": vb,
+            "bytes_per_token_per_head": tq.bytes_per_head(d, kb, vb),
+            "bf16_bytes": 4 * d,
+            "ratio_to_bf16": tq.bytes_per_head(d, kb, vb) / (4 * d),
+        }
+        for d in dims
+        for kb, vb in PAIRS
     ]
 
 
@@ -172,7 +189,7 @@ def kl_rows(prefill, steps):
         model = build_model(arch)
         tokens = prompt(prefill + steps, seed=11)
 
-        def trace(scheme):
+        def trace(scheme, model=model, tokens=tokens):
             import warnings
 
             with warnings.catch_warnings():
@@ -191,8 +208,9 @@ def kl_rows(prefill, steps):
         for kb, vb in PAIRS:
             lq = trace(f"turbo-k{kb}v{vb}")
             kl = mx.sum(p * (ref - lq), axis=-1)
-            rows.append({"model": arch, "kBits": kb, "vBits": vb,
-                         "kl_mean": mx.mean(kl).item(), "kl_max": mx.max(kl).item()})
+            rows.append(
+                {"model": arch, "kBits": kb, "vBits": vb, "kl_mean": mx.mean(kl).item(), "kl_max": mx.max(kl).item()}
+            )
     return {"prefill": prefill, "steps": steps, "rows": rows}
 
 
@@ -200,23 +218,37 @@ def kl_rows(prefill, steps):
 
 
 def print_tables(res):
-    print(f"\nCodec throughput ([1, {res['codec']['heads']}, {res['codec']['tokens']}, "
-          f"{res['codec']['head_dim']}] bf16 K+V)")
+    print(
+        f"\nCodec throughput ([1, {res['codec']['heads']}, {res['codec']['tokens']}, "
+        f"{res['codec']['head_dim']}] bf16 K+V)"
+    )
     print(f"{'k/v':>5} {'enc tok/s':>11} {'enc MB/s':>9} {'dec tok/s':>11} {'dec MB/s':>9}")
     for r in res["codec"]["rows"]:
-        print(f"{r['kBits']}/{r['vBits']:<3} {r['encode_tokens_per_s']:11.0f} {r['encode_MB_per_s']:9.1f} "
-              f"{r['decode_tokens_per_s']:11.0f} {r['decode_MB_per_s']:9.1f}")
+        print(
+            f"{r['kBits']}/{r['vBits']:<3} {r['encode_tokens_per_s']:11.0f} {r['encode_MB_per_s']:9.1f} "
+            f"{r['decode_tokens_per_s']:11.0f} {r['decode_MB_per_s']:9.1f}"
+        )
     s = res["decode_step"]
     print(f"\nDecode step, one layer ({s['heads']} kv heads, {s['q_heads']} q heads, D={s['head_dim']}), median ms")
-    print(f"{'ctx':>6} {'k/v':>5} {'bf16':>8} {'eager':>8} {'deferred':>9} {'slot':>8} {'eager/bf16':>11} "
-          f"{'defer/bf16':>11} {'slot/bf16':>10}")
+    print(
+        f"{'ctx':>6} {'k/v':>5} {'bf16':>8} {'eager':>8} {'deferred':>9} {'slot':>8} {'eager/bf16':>11} "
+        f"{'defer/bf16':>11} {'slot/bf16':>10}"
+    )
     for r in s["rows"]:
-        print(f"{r['context']:>6} {r['kBits']}/{r['vBits']:<3} {r['bf16_ms']:8.2f} {r['eager_ms']:8.2f} "
-              f"{r['deferred_ms']:9.2f} {r['slot_ms']:8.2f} {r['eager_vs_bf16']:11.2f} "
-              f"{r['deferred_vs_bf16']:11.2f} {r['slot_vs_bf16']:10.2f}")
+        print(
+            f"{r['context']:>6} {r['kBits']}/{r['vBits']:<3} {r['bf16_ms']:8.2f} {r['eager_ms']:8.2f} "
+            f"{r['deferred_ms']:9.2f} {r['slot_ms']:8.2f} {r['eager_vs_bf16']:11.2f} "
+            f"{r['deferred_vs_bf16']:11.2f} {r['slot_vs_bf16']:10.2f}"
+        )
     print("\nBytes per token and kv head (D=128; bf16 = 512)")
-    print("  " + "  ".join(f"k{r['kBits']}v{r['vBits']}={r['bytes_per_token_per_head']}"
-                           for r in res["bytes_per_token"] if r["head_dim"] == 128))
+    print(
+        "  "
+        + "  ".join(
+            f"k{r['kBits']}v{r['vBits']}={r['bytes_per_token_per_head']}"
+            for r in res["bytes_per_token"]
+            if r["head_dim"] == 128
+        )
+    )
     k = res["kl"]
     print(f"\nKL(bf16 || turbo) per decode step, seeded models ({k['prefill']} prefill, {k['steps']} steps)")
     print(f"{'k/v':>5} {'llama mean':>11} {'llama max':>10} {'gemma3 mean':>12} {'gemma3 max':>11}")

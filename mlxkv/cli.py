@@ -15,7 +15,6 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from typing import List, Optional
 
 from .errors import MLXKVError
 
@@ -47,7 +46,7 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def print_table(headers: List[str], rows: List[List[str]], out=sys.stdout) -> None:
+def print_table(headers: list[str], rows: list[list[str]], out=sys.stdout) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     print(line(headers), file=out)
@@ -60,7 +59,7 @@ class Progress:
     """A ``progress(done, total)`` callback drawing a bar on stderr when stderr is a
     terminal or the transfer is large; silent otherwise."""
 
-    def __init__(self, label: str, stream=None, force: Optional[bool] = None, interval: float = 0.1):
+    def __init__(self, label: str, stream=None, force: bool | None = None, interval: float = 0.1):
         self.label, self.stream = label, stream or sys.stderr
         self.force, self.interval = force, interval
         self.shown = False
@@ -87,7 +86,7 @@ class Progress:
         self.stream.flush()
 
 
-def layers_by_kind(kinds: List[str]) -> str:
+def layers_by_kind(kinds: list[str]) -> str:
     """``["kv:plain", "ssm", "kv:plain"]`` -> ``"2 kv:plain + 1 ssm"`` (first-seen order)."""
     counts = Counter(kinds)
     return " + ".join(f"{counts[k]} {k}" for k in dict.fromkeys(kinds))
@@ -134,14 +133,8 @@ def cmd_inspect(args) -> int:
     print()
     rows = []
     for i, entry in enumerate(header["caches"]):
-        fields = {
-            k: v
-            for k, v in entry.items()
-            if k not in ("kind", "offset", "tensors", "minimumReusableOffset")
-        }
-        slots = " ".join(
-            f"{t['slot']}:{t['dtype']}{t['shape']}" for t in entry["tensors"]
-        )
+        fields = {k: v for k, v in entry.items() if k not in ("kind", "offset", "tensors", "minimumReusableOffset")}
+        slots = " ".join(f"{t['slot']}:{t['dtype']}{t['shape']}" for t in entry["tensors"])
         size = sum(st.tensors[t["name"]].end - st.tensors[t["name"]].begin for t in entry["tensors"])
         rows.append(
             [
@@ -190,8 +183,8 @@ def cmd_convert(args) -> int:
 
 
 def _scheme_available(scheme: str) -> bool:
-    from .errors import SchemeError
     from .caches.schemes import parse_scheme
+    from .errors import SchemeError
 
     try:
         parse_scheme(scheme)
@@ -219,7 +212,7 @@ def _demo_run(arch, model, scheme, workdir, prompt_len, before, after, sampler, 
     save_ms = (time.perf_counter() - t0) * 1000
     kinds = [c.kind for c in session.caches]
     logits = []
-    tokens = session.generate(after, lambda t, l: logits.append(np.array(l.astype(mx.float32))))
+    tokens = session.generate(after, lambda _, row: logits.append(np.array(row.astype(mx.float32))))
     return {
         "path": path,
         "kinds": kinds,
@@ -278,11 +271,15 @@ def cmd_demo(args) -> int:
             if got is None or "error" in got:
                 failures += 1
                 msg = got["error"] if got else "no result from the fresh process"
-                table.append([arch, scheme, layers_by_kind(run["kinds"]), run["bytes"], f"{run['save_ms']:.1f}", "", "no", msg])
+                table.append(
+                    [arch, scheme, layers_by_kind(run["kinds"]), run["bytes"], f"{run['save_ms']:.1f}", "", "no", msg]
+                )
                 continue
             theirs = np.load(run["out"])["logits"]
             same_tokens = got["tokens"] == run["tokens"]
-            diff = float(np.max(np.abs(theirs - run["logits"]))) if theirs.shape == run["logits"].shape else float("inf")
+            diff = (
+                float(np.max(np.abs(theirs - run["logits"]))) if theirs.shape == run["logits"].shape else float("inf")
+            )
             failures += not (same_tokens and diff == 0.0)
             table.append(
                 [
@@ -302,8 +299,16 @@ def cmd_demo(args) -> int:
             f"top_p={sampler.top_p} seed={args.seed}"
         )
         print_table(
-            ["architecture", "scheme", "layers by kind", "snapshot bytes", "save ms", "load ms",
-             "identical tokens", "max |logit diff|"],
+            [
+                "architecture",
+                "scheme",
+                "layers by kind",
+                "snapshot bytes",
+                "save ms",
+                "load ms",
+                "identical tokens",
+                "max |logit diff|",
+            ],
             table,
         )
         print(f"({time.perf_counter() - t_start:.1f} s)")
@@ -316,9 +321,7 @@ def cmd_demo(args) -> int:
 def _resume_in_fresh_process(runs, workdir, seed) -> dict:
     manifest = os.path.join(workdir, "manifest.json")
     with open(manifest, "w") as f:
-        json.dump(
-            [{k: r[k] for k in ("arch", "scheme", "path", "steps", "out")} for r in runs] + [{"seed": seed}], f
-        )
+        json.dump([{k: r[k] for k in ("arch", "scheme", "path", "steps", "out")} for r in runs] + [{"seed": seed}], f)
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -333,9 +336,18 @@ def _resume_in_fresh_process(runs, workdir, seed) -> dict:
     return {r["path"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
+def _collected_logits(session, steps: int) -> list:
+    """Generate ``steps`` tokens; the float32 logits after each, then the token list last."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = []
+    tokens = session.generate(steps, lambda _, row: logits.append(np.array(row.astype(mx.float32))))
+    return [*logits, tokens]
+
+
 def cmd_resume(args) -> int:
     """Internal: restore every checkpoint of a demo manifest, continue, write logits."""
-    import mlx.core as mx
     import numpy as np
 
     from .seeded import build_model
@@ -354,8 +366,8 @@ def cmd_resume(args) -> int:
             t0 = time.perf_counter()
             session = Session.restore(e["path"], model)
             load_ms = (time.perf_counter() - t0) * 1000
-            logits = []
-            tokens = session.generate(e["steps"], lambda t, l: logits.append(np.array(l.astype(mx.float32))))
+            logits = _collected_logits(session, e["steps"])
+            tokens = logits.pop()
             np.savez(e["out"], logits=np.stack(logits))
             results.append({"path": e["path"], "tokens": tokens, "load_ms": load_ms})
         except Exception as err:  # reported in the parent's table
@@ -412,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

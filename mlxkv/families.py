@@ -14,8 +14,8 @@ An unknown kind is a bug, not a route: every lookup raises
 :class:`~mlxkv.errors.UnknownKindError` naming the kind.
 """
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Tuple
 
 from .errors import UnknownKindError
 
@@ -49,9 +49,9 @@ class Family:
     cache: type
     codec: object
     fields: Mapping[str, str] = field(default_factory=dict)
-    rows: Optional[Callable] = None
-    decode_slot: Optional[Callable] = None
-    scheme: Optional[Tuple[str, Callable]] = None
+    rows: Callable | None = None
+    decode_slot: Callable | None = None
+    scheme: tuple[str, Callable] | None = None
 
     def matches(self, kind: str) -> bool:
         """Is ``kind`` this family's live kind?"""
@@ -64,7 +64,7 @@ class Family:
         return BATCHED_PREFIX + self.kind.removeprefix("kv:")
 
 
-_FAMILIES: List[Family] = []
+_FAMILIES: list[Family] = []
 
 
 def register_family(family: Family) -> Family:
@@ -83,11 +83,11 @@ def unregister_family(persisted: str) -> None:
     _FAMILIES[:] = [f for f in _FAMILIES if f.persisted != persisted]
 
 
-def families() -> List[Family]:
+def families() -> list[Family]:
     return list(_FAMILIES)
 
 
-def known_persisted_kinds() -> List[str]:
+def known_persisted_kinds() -> list[str]:
     return [f.persisted for f in _FAMILIES]
 
 
@@ -124,7 +124,7 @@ def family_of_batched_kind(kind: str) -> Family:
     raise _unknown(kind, "batched rows: not a batched layout mlxkv knows")
 
 
-def scheme_families() -> List[Family]:
+def scheme_families() -> list[Family]:
     return [f for f in _FAMILIES if f.scheme is not None]
 
 

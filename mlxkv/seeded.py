@@ -75,7 +75,7 @@ def build_model(arch: str, seed: int = 0, dtype=mx.bfloat16, **overrides):
     new = []
     for (name, p), k in zip(params, keys):
         scale = 1.0 if "norm" in name else 0.05
-        val = (mx.random.normal(p.shape, key=k) * scale + (1.0 if "norm" in name and arch != "gemma3" else 0.0))
+        val = mx.random.normal(p.shape, key=k) * scale + (1.0 if "norm" in name and arch != "gemma3" else 0.0)
         new.append((name, val.astype(dtype)))
     model.load_weights(new)
     mx.eval(model.parameters())

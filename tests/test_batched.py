@@ -9,7 +9,7 @@ import pytest
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
-from mlxkv.families import family_of_batched_kind, family_of_kind, families
+from mlxkv.families import families, family_of_batched_kind, family_of_kind
 from mlxkv.seeded import prompt
 
 # (arch, scheme, make_cache options, serial kinds of the rows once settled)
@@ -255,7 +255,10 @@ def test_unknown_and_mixed_kinds_raise_naming_them(models):
         mlxkv.extract_row(fake, 0)
     # every family with a row layout is found again from its batched kind
     for f in families():
-        assert f.rows is not None and family_of_batched_kind(f.batched_kind + ("4:64" if f.kind.endswith(":") else "")) is f
+        assert (
+            f.rows is not None
+            and family_of_batched_kind(f.batched_kind + ("4:64" if f.kind.endswith(":") else "")) is f
+        )
 
 
 def test_bf16_first_rows_join_once_their_conversion_is_due(models):
@@ -379,7 +382,11 @@ def test_eviction_rows_keep_the_serial_kept_sets(models, case):
     serial = [req.fresh(p)[0] for p in prompts]
     batch = mlxkv.merge_model_rows([req.fresh(p)[0] for p in prompts])
     pad = np.array(batch[0].keys[1][0, :, : 16 - LENS[0], 0])  # rows 1 and 2 hold the budget
-    assert pad.size and (pad == -1).all() and batch[0].make_mask(1)[0, 0, 0, : pad.shape[1]].tolist() == [False] * pad.shape[1]
+    assert (
+        pad.size
+        and (pad == -1).all()
+        and batch[0].make_mask(1)[0, 0, 0, : pad.shape[1]].tolist() == [False] * pad.shape[1]
+    )
     pos = [0, 0, 0]
     for chunk in (1, 1, 5, 1, 1, 3, 1, 1, 1, 1):
         teacher_forced(model, batch, serial, [0, 1, 2], stream, pos, chunk)

@@ -5,13 +5,12 @@ import warnings
 import mlx.core as mx
 import mlx_lm
 import pytest
+from conftest import greedy, run
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt, tokenizer
-
-from conftest import greedy, run
 
 
 def test_kinds_are_the_mlx_bun_signatures():

@@ -7,6 +7,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from helpers import data_start, flip_bit
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
@@ -14,16 +15,12 @@ from mlxkv.cli import LARGE_FILE, Progress, layers_by_kind
 from mlxkv.seeded import prompt
 from mlxkv.state.session import Sampler, Session
 
-from helpers import data_start, flip_bit
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def mlxkv_cli(*args):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(
-        [sys.executable, "-m", "mlxkv.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env
-    )
+    return subprocess.run([sys.executable, "-m", "mlxkv.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
 @pytest.fixture
@@ -38,7 +35,9 @@ def snapshot(models, tmp_path):
 def test_demo_quick_resumes_identically():
     proc = mlxkv_cli("demo", "--quick")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["llama"], ["gemma3"], ["hybrid"])]
+    rows = [
+        line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["llama"], ["gemma3"], ["hybrid"])
+    ]
     assert len(rows) == 9  # 3 architectures x 3 quick schemes
     for row in rows:
         assert row[-2:] == ["yes", "0"], row
@@ -49,7 +48,7 @@ def test_demo_quick_resumes_identically():
 def test_demo_marks_unknown_schemes_not_available():
     proc = mlxkv_cli("demo", "--quick", "--archs", "llama", "--schemes", "bf16,nosuch-k9")
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if "nosuch-k9" in l)
+    line = next(x for x in proc.stdout.splitlines() if "nosuch-k9" in x)
     assert "not available" in line
 
 

@@ -32,7 +32,10 @@ def test_generate_step_runs_with_eviction_caches(arch, scheme):
     model = build_model(arch)
     options = {"calib_tokens": 16}  # the fallback freezes inside the prompt
     if scheme == "qfilters-calibrated":
-        scheme, options = "qfilters-b24-s2-r6", {"qfilters_calibration": calibrate(model, [prompt(32, 5)], model_id=arch)}
+        scheme, options = (
+            "qfilters-b24-s2-r6",
+            {"qfilters_calibration": calibrate(model, [prompt(32, 5)], model_id=arch)},
+        )
     caches = mlxkv.make_cache(model, scheme, **options)
     toks = prompt(60, 2)
     out = generate(model, caches, toks, 12, prefill_step_size=16)

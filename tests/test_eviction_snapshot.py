@@ -7,12 +7,11 @@ docs/format.md and the TypeScript reader follow).
 import mlx.core as mx
 import pytest
 
-from mlxkv.state.kinds import check_entry
-
 import mlxkv
-from mlxkv.errors import CorruptSnapshotError, GeometryMismatchError
 from mlxkv.caches.qfilters_calibration import calibrate
+from mlxkv.errors import CorruptSnapshotError, GeometryMismatchError
 from mlxkv.seeded import build_model, prompt
+from mlxkv.state.kinds import check_entry
 
 N_TOKENS = 70
 
@@ -46,7 +45,10 @@ def forward(model, caches, tokens, blocks):
 
 
 def snapshot_state(caches):
-    return [(c.offset, c.rows, c.positions, c.keys, c.values, getattr(c, "scores", None), getattr(c, "filter", None)) for c in caches]
+    return [
+        (c.offset, c.rows, c.positions, c.keys, c.values, getattr(c, "scores", None), getattr(c, "filter", None))
+        for c in caches
+    ]
 
 
 def same_state(a, b):
@@ -104,9 +106,17 @@ def test_tova_header_entry_is_the_documented_contract(tmp_path, llama):
     mlxkv.save(str(tmp_path / "t.safetensors"), caches, prompt(30, 1))
     e = entry_of(str(tmp_path / "t.safetensors"))
     assert {k: e[k] for k in ("kind", "offset", "budget", "nSink", "minimumReusableOffset")} == {
-        "kind": "tova", "offset": 30, "budget": 16, "nSink": 2, "minimumReusableOffset": 0,
+        "kind": "tova",
+        "offset": 30,
+        "budget": 16,
+        "nSink": 2,
+        "minimumReusableOffset": 0,
     }
-    assert slots(e) == [("keys", "BF16", [1, 2, 16, 64]), ("values", "BF16", [1, 2, 16, 64]), ("positions", "I32", [1, 2, 16])]
+    assert slots(e) == [
+        ("keys", "BF16", [1, 2, 16, 64]),
+        ("values", "BF16", [1, 2, 16, 64]),
+        ("positions", "I32", [1, 2, 16]),
+    ]
 
 
 def test_qfilters_header_entries_before_and_after_the_freeze(tmp_path, llama, llama_cal):
@@ -116,11 +126,20 @@ def test_qfilters_header_entries_before_and_after_the_freeze(tmp_path, llama, ll
     mlxkv.save(p, warm, prompt(20, 1))
     e = entry_of(p)
     assert {k: e[k] for k in ("kind", "offset", "budget", "nSink", "recent", "sign", "calibTokens", "calibrated")} == {
-        "kind": "qfilters", "offset": 20, "budget": 16, "nSink": 2, "recent": 4, "sign": -1, "calibTokens": 24, "calibrated": False,
+        "kind": "qfilters",
+        "offset": 20,
+        "budget": 16,
+        "nSink": 2,
+        "recent": 4,
+        "sign": -1,
+        "calibTokens": 24,
+        "calibrated": False,
     }
     assert slots(e) == [
-        ("keys", "BF16", [1, 2, 20, 64]), ("values", "BF16", [1, 2, 20, 64]),
-        ("positions", "I32", [1, 2, 20]), ("scores", "F32", [1, 2, 20]),
+        ("keys", "BF16", [1, 2, 20, 64]),
+        ("values", "BF16", [1, 2, 20, 64]),
+        ("positions", "I32", [1, 2, 20]),
+        ("scores", "F32", [1, 2, 20]),
     ]
     assert mx.array_equal(mlxkv.load(p).caches[0].scores, mx.zeros((1, 2, 20)))  # no filter yet: zeros
 
@@ -177,8 +196,14 @@ def test_trim_rules_survive_a_restore(tmp_path, llama):
 def tova_entry(offset=30, budget=16, n_sink=2, T=16, pos_shape=None, pos_dtype="I32"):
     shapes = {"keys": [1, 2, T, 64], "values": [1, 2, T, 64], "positions": pos_shape or [1, 2, T]}
     dtypes = {"keys": "BF16", "values": "BF16", "positions": pos_dtype}
-    entry = {"kind": "tova", "offset": offset, "budget": budget, "nSink": n_sink, "minimumReusableOffset": 0,
-             "tensors": [{"slot": s, "dtype": dtypes[s], "shape": shapes[s]} for s in shapes]}
+    entry = {
+        "kind": "tova",
+        "offset": offset,
+        "budget": budget,
+        "nSink": n_sink,
+        "minimumReusableOffset": 0,
+        "tensors": [{"slot": s, "dtype": dtypes[s], "shape": shapes[s]} for s in shapes],
+    }
     return entry, shapes
 
 
@@ -220,9 +245,18 @@ def qf_entry(offset=30, T=16, calibrated=True, with_filter=True, filter_shape=No
     if with_filter:
         shapes["filter"] = filter_shape or [2, 2, 64]
     dtypes = {"keys": "BF16", "values": "BF16", "positions": "I32", "scores": score_dtype, "filter": "F32"}
-    entry = {"kind": "qfilters", "offset": offset, "budget": 16, "nSink": 2, "recent": 4, "sign": 1,
-             "calibTokens": 24, "calibrated": calibrated, "minimumReusableOffset": 0,
-             "tensors": [{"slot": s, "dtype": dtypes[s], "shape": shapes[s]} for s in shapes]}
+    entry = {
+        "kind": "qfilters",
+        "offset": offset,
+        "budget": 16,
+        "nSink": 2,
+        "recent": 4,
+        "sign": 1,
+        "calibTokens": 24,
+        "calibrated": calibrated,
+        "minimumReusableOffset": 0,
+        "tensors": [{"slot": s, "dtype": dtypes[s], "shape": shapes[s]} for s in shapes],
+    }
     entry.update(fields)
     return entry, shapes
 

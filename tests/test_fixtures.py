@@ -12,7 +12,7 @@ import hashlib
 import importlib.util
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,8 +22,8 @@ import pytest
 import mlxkv
 from mlxkv import errors
 from mlxkv.caches.transition import Bf16FirstCache
-from mlxkv.seeded import build_model
 from mlxkv.families import family_of_kind, known_persisted_kinds
+from mlxkv.seeded import build_model
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text())
@@ -38,7 +38,7 @@ def _generator():
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def _model(arch, seed):
     return build_model(arch, seed=seed)
 
@@ -101,7 +101,9 @@ def test_every_registered_persisted_kind_has_a_fixture():
     assert MANIFEST["persistedKinds"] == known_persisted_kinds()
     assert set(known_persisted_kinds()) <= covered
     assert MANIFEST["skipped"] == [] and MANIFEST["uncoveredKinds"] == []
-    turbo_pairs = {(e["kBits"], e["vBits"]) for f in FIXTURES for e in f["header"]["caches"] if e["kind"] == "turboquant"}
+    turbo_pairs = {
+        (e["kBits"], e["vBits"]) for f in FIXTURES for e in f["header"]["caches"] if e["kind"] == "turboquant"
+    }
     assert turbo_pairs == {(k, v) for k in (2, 4, 5, 8) for v in (2, 3, 4, 5, 8)}
 
 
@@ -125,12 +127,12 @@ def test_fixture_loads_and_matches_the_manifest(fx):
     snap = mlxkv.load(str(path), model=model)
     assert snap.tokens == fx["header"]["tokens"]
     assert len(snap.caches) == len(fx["layers"]) == len(fx["header"]["caches"])
-    for i, (cache, layer, entry) in enumerate(zip(snap.caches, fx["layers"], fx["header"]["caches"])):
+    for i, (live, layer, entry) in enumerate(zip(snap.caches, fx["layers"], fx["header"]["caches"])):
         assert [t["slot"] for t in entry["tensors"]] == [s["slot"] for s in layer["slots"]]
-        assert cache.offset == entry["offset"]
-        assert cache.minimum_reusable_offset == entry["minimumReusableOffset"]
-        assert (getattr(cache, "pending_conversion", None)) == entry.get("pendingConversion")
-        _check_layer(cache, layer, f"{fx['name']} layer {i}")
+        assert live.offset == entry["offset"]
+        assert live.minimum_reusable_offset == entry["minimumReusableOffset"]
+        assert (getattr(live, "pending_conversion", None)) == entry.get("pendingConversion")
+        _check_layer(live, layer, f"{fx['name']} layer {i}")
 
 
 @pytest.mark.parametrize("fx", [f for f in FIXTURES if f["model"]], ids=[f["name"] for f in FIXTURES if f["model"]])

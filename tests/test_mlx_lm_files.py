@@ -175,8 +175,11 @@ def test_not_a_prompt_cache_file(models, tmp_path):
 def test_damaged_structure_is_refused(models, tmp_path):
     """A scalar the class needs stored as a plain tensor: refused before building caches."""
     src = str(tmp_path / "bad.safetensors")
-    arrays = {"0.0": mx.zeros((1, 2, 4, 64), mx.bfloat16), "0.1": mx.zeros((1, 2, 4, 64), mx.bfloat16),
-              "0.2": mx.array(4)}
+    arrays = {
+        "0.0": mx.zeros((1, 2, 4, 64), mx.bfloat16),
+        "0.1": mx.zeros((1, 2, 4, 64), mx.bfloat16),
+        "0.2": mx.array(4),
+    }
     mx.save_safetensors(src, arrays, {"1.0": "KVCache", "2.0": ""})  # "0.2" not declared a scalar
     with pytest.raises(CorruptSnapshotError, match="not a scalar"):
         read_prompt_cache(src)

@@ -7,8 +7,8 @@ import pytest
 
 import mlxkv
 from mlxkv import CacheConfigError, QFiltersKVCache, make_cache
-from mlxkv.math.qfilters import key_svd_filter, projection_scores, qfilters_survivors
 from mlxkv.caches.schemes import parse_scheme
+from mlxkv.math.qfilters import key_svd_filter, projection_scores, qfilters_survivors
 from mlxkv.seeded import build_model
 
 
@@ -106,7 +106,13 @@ def test_calibrated_kept_set_is_bit_identical_for_every_prefill_chunking(recent)
     k, v = rand((2, 2, 300, 32), 5), rand((2, 2, 300, 32), 6)
     f = unit((2, 32), 7)
     runs = {}
-    for name, blocks in {"one-shot": [300], "256": [256, 44], "64": [64] * 4 + [44], "7": [7] * 42 + [6], "decode": [1] * 300}.items():
+    for name, blocks in {
+        "one-shot": [300],
+        "256": [256, 44],
+        "64": [64] * 4 + [44],
+        "7": [7] * 42 + [6],
+        "decode": [1] * 300,
+    }.items():
         c = QFiltersKVCache(24, 2, recent, filters=f)
         feed(c, k, v, blocks)
         runs[name] = c

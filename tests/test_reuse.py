@@ -2,13 +2,12 @@
 
 import mlx.core as mx
 import pytest
+from conftest import run
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt
 from mlxkv.state.reuse import reuse_prefix, usable_prefix
-
-from conftest import run
 
 
 def test_reused_prefix_gives_the_logits_of_a_fresh_prefill(models):

@@ -10,14 +10,13 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import rewrite_header
 
 import mlxkv
-from mlxkv.errors import CacheConfigError, CorruptSnapshotError, SchemeError, SnapshotError
 from mlxkv.caches.schemes import parse_scheme
+from mlxkv.errors import CacheConfigError, CorruptSnapshotError, SchemeError, SnapshotError
 from mlxkv.seeded import prompt
 from mlxkv.state.session import Sampler, Session
-
-from helpers import rewrite_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +76,7 @@ def _checkpoint_and_continue(model, scheme, opts, before, sampler, path):
         "pending": s.pending_token,
     }
     logits = []
-    tokens = s.generate(AFTER, lambda t, l: logits.append(_f32(l)))
+    tokens = s.generate(AFTER, lambda _, row: logits.append(_f32(row)))
     return saved, tokens, np.stack(logits)
 
 
@@ -89,9 +88,7 @@ def reference(models, tmp_path_factory):
     for cid, arch, scheme, opts, before in CASES:
         for sname, sampler in SAMPLERS.items():
             path = str(d / f"{cid}-{sname}.safetensors")
-            out[(cid, sname)] = (path,) + _checkpoint_and_continue(
-                models(arch), scheme, opts, before, sampler, path
-            )
+            out[(cid, sname)] = (path,) + _checkpoint_and_continue(models(arch), scheme, opts, before, sampler, path)
     return out
 
 
@@ -105,15 +102,21 @@ def test_resume_in_process_is_bit_identical(reference, models, cid, arch, scheme
     assert restored.pending_token == saved["pending"]
     assert restored.logits is None  # nothing was recomputed
     logits = []
-    tokens = restored.generate(AFTER, lambda t, l: logits.append(_f32(l)))
+    tokens = restored.generate(AFTER, lambda _, row: logits.append(_f32(row)))
     assert tokens == ref_tokens
     assert np.array_equal(np.stack(logits), ref_logits)
 
 
 def test_the_matrix_covers_every_kind(reference):
     kinds = {k for (_, saved, _, _) in reference.values() for k in saved["kinds"]}
-    for expected in ("kv:plain", "kv:quant:4:64", "kv:quant:8:32", "kv:rotating-plain",
-                     "kv:rotating-quant:4:64", "ssm"):
+    for expected in (
+        "kv:plain",
+        "kv:quant:4:64",
+        "kv:quant:8:32",
+        "kv:rotating-plain",
+        "kv:rotating-quant:4:64",
+        "ssm",
+    ):
         assert expected in kinds
     optional = {"turbo-": "kv:turboquant:", "tova-": "kv:tova:", "qfilters-": "kv:qfilters:"}
     for scheme_prefix, kind_prefix in optional.items():
@@ -125,7 +128,7 @@ def test_the_matrix_covers_every_kind(reference):
             entry = mlxkv.read_header(reference[(cid, "greedy")][0])["caches"][0]
             assert entry["tensors"][0]["shape"][2] < entry["offset"], cid
     # the bf16-first cases really were saved before their conversion
-    for cid, _, scheme, _, _ in CASES:
+    for cid, *_ in CASES:
         if cid.endswith("-before-conversion"):
             _, saved, _, _ = reference[(cid, "greedy")]
             assert saved["kinds"] == ["kv:plain"] * 4, cid

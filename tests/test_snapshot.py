@@ -8,14 +8,13 @@ import sys
 
 import mlx.core as mx
 import pytest
+from conftest import greedy, run
+from helpers import data_start, flip_bit, read_raw, rewrite_header
 from safetensors import safe_open
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt
-
-from conftest import greedy, run
-from helpers import data_start, flip_bit, read_raw, rewrite_header
 
 SLOTS = {
     "kv": ["keys", "values"],

@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxkv.errors import CorruptSnapshotError, SnapshotError
 from mlxkv.io import tensor_reader
 from mlxkv.io.safetensors import read_safetensors_header, write_atomic
 from mlxkv.io.tensor_reader import TensorReader
-from mlxkv.errors import CorruptSnapshotError, SnapshotError
 
 
 def tensors():

@@ -51,7 +51,11 @@ def feed(cache, keys, values, blocks):
 
 
 def kept_positions(cache):
-    return {(b, h): cache.positions[b, h].tolist() for b in range(cache.positions.shape[0]) for h in range(cache.positions.shape[1])}
+    return {
+        (b, h): cache.positions[b, h].tolist()
+        for b in range(cache.positions.shape[0])
+        for h in range(cache.positions.shape[1])
+    }
 
 
 # -- state and construction ----------------------------------------------------------
@@ -265,11 +269,15 @@ def test_stored_keys_keep_the_rotation_of_their_original_position():
     c = TOVAKVCache(16, 2)
     t = 0
     for n in [30, 1, 1, 20, 1, 37]:
-        c.update_and_fetch(*(mx.fast.rope(raw[:, :, t : t + n], 64, traditional=False, base=10000.0, scale=1.0, offset=c.offset),) * 2)
+        c.update_and_fetch(
+            *(mx.fast.rope(raw[:, :, t : t + n], 64, traditional=False, base=10000.0, scale=1.0, offset=c.offset),) * 2
+        )
         t += n
     for h in range(2):
         for row, pos in enumerate(c.positions[0, h].tolist()):
-            want = mx.fast.rope(raw[:, h : h + 1, pos : pos + 1], 64, traditional=False, base=10000.0, scale=1.0, offset=pos)
+            want = mx.fast.rope(
+                raw[:, h : h + 1, pos : pos + 1], 64, traditional=False, base=10000.0, scale=1.0, offset=pos
+            )
             assert mx.allclose(c.keys[0, h, row], want[0, 0, 0], atol=1e-6).item()
 
 

@@ -7,18 +7,17 @@ import mlx_lm
 import mlx_lm.models.gemma3_text
 import mlx_lm.models.llama
 import pytest
+from conftest import greedy, run
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv import CacheConfigError, TurboQuantKVCache
-from mlxkv.math import turboquant as tq
 from mlxkv.caches.base import row_bytes
 from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
+from mlxkv.math import turboquant as tq
 from mlxkv.seeded import prompt, tokenizer
-
-from conftest import greedy, run
 
 
 def kv(L, d=64, H=2, seed=0, dtype=mx.float32):

@@ -3,20 +3,18 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlxkv.state.kinds import check_entry
+from conftest import greedy, run
+from helpers import rewrite_header
 from safetensors.numpy import load_file
 
 import mlxkv
 from mlxkv import CorruptSnapshotError, TurboQuantKVCache
-from mlxkv.math import turboquant as tq
-from mlxkv.io.tensor_reader import TensorReader
 from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
+from mlxkv.io.tensor_reader import TensorReader
+from mlxkv.math import turboquant as tq
 from mlxkv.seeded import prompt
-
-from conftest import greedy, run
-from helpers import rewrite_header
+from mlxkv.state.kinds import check_entry
 
 SLOTS = ["kIdx", "kScales", "kZeros", "vPacked", "vScales"]
 
@@ -56,8 +54,11 @@ def test_save_load_continue_is_bit_identical(models, tmp_path, kb, vb):
     kdt = "I8" if kb == 8 else "U8"
     kw = 64 if kb == 8 else 64 * kb // 8
     assert [(t["dtype"], t["shape"]) for t in entry["tensors"]] == [
-        (kdt, [1, 2, 6, kw]), ("F16", [1, 2, 6, 2]), ("F16", [1, 2, 6, 2]),
-        ("U8", [1, 2, 6, 64 * vb // 8]), ("F16", [1, 2, 6, 2]),
+        (kdt, [1, 2, 6, kw]),
+        ("F16", [1, 2, 6, 2]),
+        ("F16", [1, 2, 6, 2]),
+        ("U8", [1, 2, 6, 64 * vb // 8]),
+        ("F16", [1, 2, 6, 2]),
     ]
 
 

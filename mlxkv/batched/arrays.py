@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from ..errors import CacheConfigError
 from ..caches.arrays import ArraysCache
 from ..caches.base import CacheContract
+from ..errors import CacheConfigError
 from .columns import RowOffsets, check_row
 
 

@@ -13,13 +13,13 @@ the buffer is full, one gather that packs the rows and adds slack.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from ..errors import CacheConfigError
 from ..caches.base import CacheContract, row_bytes
+from ..caches.reads import AttentionRead
+from ..errors import CacheConfigError
 from .columns import (
     Columns,
     RowOffsets,
@@ -32,14 +32,13 @@ from .columns import (
     stored_mask,
     visibility_mask,
 )
-from ..caches.reads import AttentionRead
 
 
 class RowFormat:
     """Base of the attention row formats: ``merge(rows)`` builds the batch of class
     ``batch_class`` from serial caches of this format."""
 
-    max_size: Optional[int] = None
+    max_size: int | None = None
     keep: int = 0
 
     @property
@@ -63,7 +62,7 @@ class _Plan:
     cols: Columns  # layout right after the append
     counts_before: np.ndarray  # stored positions each row attends besides the new ones
     lo: int  # first column returned
-    pack: Optional[Tuple[Columns, int]]  # (layout to pack from, new capacity) or None
+    pack: tuple[Columns, int] | None  # (layout to pack from, new capacity) or None
 
 
 class BatchedKVCache(RowOffsets, CacheContract):
@@ -108,7 +107,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
             cols = packed
         return _Plan(Columns(cols.s, cols.e, cols.w, cols.idx + N), counts, cols.lo, pack)
 
-    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **_):
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **_):
         window = window_size or self.fmt.max_size
         key = ("batched", self.fmt.max_size, self.fmt.keep, N, window, self.capacity, self.cols.key())
 
@@ -219,8 +218,10 @@ class BatchedKVCache(RowOffsets, CacheContract):
                 f"({getattr(other, 'fmt', None)}) into a {self.kind} batch ({self.fmt}): "
                 "rows of one batched cache share one kind and one geometry"
             )
-        if other.keys is not None and self.keys is not None and (
-            self.keys[0].shape[1] != other.keys[0].shape[1] or self.keys[0].dtype != other.keys[0].dtype
+        if (
+            other.keys is not None
+            and self.keys is not None
+            and (self.keys[0].shape[1] != other.keys[0].shape[1] or self.keys[0].dtype != other.keys[0].dtype)
         ):
             raise CacheConfigError(f"{self.kind}: rows with other head geometry or dtype cannot be joined")
 
@@ -230,22 +231,26 @@ class BatchedKVCache(RowOffsets, CacheContract):
         T = max(self.cols.idx, other.cols.idx)
         st = self.fmt.storage
         like = self if self.keys is not None else other
+
+        def widened(c, t, like_t, fills):
+            """``c``'s arrays ``t`` left-padded to T columns (all padding when it stores nothing)."""
+            if t is None:
+                shape = lambda a: (c.batch_size, a.shape[1], T, *a.shape[3:])
+                return tuple(mx.full(shape(a), f, a.dtype) for a, f in zip(like_t, fills))
+            d = T - c.cols.idx
+            return tuple(
+                mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, 0), (0, 0)], constant_values=f)
+                for a, f in zip(t, fills)
+            )
+
         sides = []
         for c in (self, other):
-            d = T - c.cols.idx
+            cols = c.cols.shifted(T - c.cols.idx)
             if like.keys is None:
-                sides.append((None, None, c.cols.shifted(d)))
-            elif c.keys is None:
-                full = lambda t, fills: tuple(
-                    mx.full((c.batch_size, a.shape[1], T, *a.shape[3:]), f, a.dtype) for a, f in zip(t, fills)
-                )
-                sides.append((full(like.keys, st.key_fills), full(like.values, st.value_fills), c.cols.shifted(d)))
+                sides.append((None, None, cols))
             else:
-                pad = lambda t, fills: tuple(
-                    mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, 0), (0, 0)], constant_values=f)
-                    for a, f in zip(t, fills)
-                )
-                sides.append((pad(c.keys, st.key_fills), pad(c.values, st.value_fills), c.cols.shifted(d)))
+                keys = widened(c, c.keys, like.keys, st.key_fills)
+                sides.append((keys, widened(c, c.values, like.values, st.value_fills), cols))
         if like.keys is not None:
             self.keys = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
             self.values = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))

@@ -10,8 +10,8 @@ The per-row integers live on the host (numpy): they change only by whole-batch a
 so no step has to read them back from the device.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -80,7 +80,7 @@ def evict_oldest(cols: Columns, n_keep: int, limit: int) -> Columns:
     return Columns(s, e, w, cols.idx)
 
 
-def source_columns(cols: Columns, rows: np.ndarray, width: int) -> Tuple[np.ndarray, np.ndarray]:
+def source_columns(cols: Columns, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """For packing ``rows`` right-aligned into ``width`` columns: the source column of each
     target column and whether it holds a stored position (else padding or slack)."""
     s, e, w = cols.s[rows, None], cols.e[rows, None], cols.w[rows, None]
@@ -110,7 +110,7 @@ def gather_columns(arrays: Sequence[mx.array], rows: np.ndarray, src: np.ndarray
     return tuple(out)
 
 
-def stack_left_padded(parts: List[Sequence[mx.array]], counts: Sequence[int], width: int, fills=None):
+def stack_left_padded(parts: list[Sequence[mx.array]], counts: Sequence[int], width: int, fills=None):
     """Right-align per-row storage ``parts[r][i]`` (``[1, H, counts[r], X_i]``) into
     ``[B, H, width, X_i]`` arrays, filled (0 unless ``fills`` says otherwise) on the left as
     padding and on the right as slack.
@@ -136,7 +136,7 @@ def stack_left_padded(parts: List[Sequence[mx.array]], counts: Sequence[int], wi
     return tuple(out)
 
 
-def visibility_mask(cols: Columns, counts_before: np.ndarray, N: int, lo: int, window: Optional[int]):
+def visibility_mask(cols: Columns, counts_before: np.ndarray, N: int, lo: int, window: int | None):
     """Boolean mask ``[B, 1, N, idx - lo]`` for N new positions appended at ``cols.idx - N``.
 
     Ranks count a row's stored positions in temporal order (0 = oldest kept); query j of row b

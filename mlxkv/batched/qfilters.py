@@ -44,7 +44,11 @@ class QFiltersRows(EvictionRows):
         calibrated, frozen = bool(extras["calibrated"][0]), bool(extras["frozen"][0])
         filt = extras["filter"] if frozen else None
         row = QFiltersKVCache(
-            self.budget, self.n_sink, self.recent, self.sign, self.calib_tokens,
+            self.budget,
+            self.n_sink,
+            self.recent,
+            self.sign,
+            self.calib_tokens,
             filters=filt if calibrated else None,
         )
         if keys is None:

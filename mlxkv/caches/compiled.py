@@ -23,7 +23,7 @@ def _plain_step(prefix_keys, prefix_values, keys, values):
     return k, v, (keys, values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _affine_step(group_size: int, bits: int):
     """The step for ``kv:quant:<bits>:<group>``, one function per layout (so ``mx.compile``
     traces it once): quantize the new position and join each of (codes, scales, biases)."""

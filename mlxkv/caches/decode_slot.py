@@ -6,8 +6,9 @@ form its ordinary read attends, a pure ``step(prefix_keys, prefix_values, keys, 
 the write after the step (it returns what to evaluate with the step's outputs).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import mlx.core as mx
 
@@ -19,4 +20,4 @@ class DecodeSlot:
     step: Callable  # pure and compilable; one function object per layout, so traced once
     commit: Callable  # codes -> stored arrays to evaluate with the step
     rotated: bool = False  # values are in TurboQuant's rotated domain
-    finish: Optional[Callable[[mx.array], mx.array]] = None  # e.g. un-rotate the attention output
+    finish: Callable[[mx.array], mx.array] | None = None  # e.g. un-rotate the attention output

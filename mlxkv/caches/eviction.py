@@ -5,7 +5,6 @@ their selections use.
 """
 
 import itertools
-from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -16,7 +15,6 @@ from ..math.selection import position_rows
 from .base import CacheContract, row_bytes
 
 _STAMPS = itertools.count(1)  # a fresh stamp per mutation: window masks are memoized by it
-
 
 
 class EvictionKVCache(CacheContract, mlx_cache._BaseCache):
@@ -56,9 +54,7 @@ class EvictionKVCache(CacheContract, mlx_cache._BaseCache):
             want = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
             got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
             if got != want:
-                raise CacheConfigError(
-                    f"{self.kind}: appending (B, H, D, Dv)={got} to a cache holding {want}"
-                )
+                raise CacheConfigError(f"{self.kind}: appending (B, H, D, Dv)={got} to a cache holding {want}")
 
     def _joined(self, keys, values):
         """Stored rows plus the new ones (keys, values, positions)."""
@@ -82,7 +78,7 @@ class EvictionKVCache(CacheContract, mlx_cache._BaseCache):
         raise NotImplementedError
 
     # -- masks -----------------------------------------------------------------------
-    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         """The mask of the next ``update_and_fetch(N new rows)``: stored rows are all in the
         past, so mlx-lm's bottom-right causal mask over T + N columns is right as long as no
         window cuts the gapped stored positions; otherwise an array mask [B, H_kv, N, T + N]
@@ -189,5 +185,3 @@ def check_budget(budget, n_sink, what: str):
         raise CacheConfigError(f"{what}: budget must be an integer >= 1, got {budget!r}")
     if not is_int(n_sink) or n_sink < 0:
         raise CacheConfigError(f"{what}: n_sink must be an integer >= 0, got {n_sink!r}")
-
-

@@ -7,7 +7,7 @@ that asks in a forward gets the first layer's object back.
 """
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Optional
+from collections.abc import Callable, Hashable
 
 from mlx_lm.models.cache import create_attention_mask
 
@@ -16,7 +16,7 @@ _MISS = object()
 
 class ForwardMasks:
     def __init__(self, capacity: int = 16):
-        self._memo: "OrderedDict[Hashable, object]" = OrderedDict()
+        self._memo: OrderedDict[Hashable, object] = OrderedDict()
         self._capacity = capacity
         self.builds = 0  # how many masks were actually computed (tests read it)
 
@@ -32,9 +32,7 @@ class ForwardMasks:
             self._memo.popitem(last=False)
         return value
 
-    def causal(
-        self, N: int, offset: int, window_size: Optional[int] = None, return_array: bool = False
-    ):
+    def causal(self, N: int, offset: int, window_size: int | None = None, return_array: bool = False):
         """mlx-lm's linear-cache mask: None for one query, "causal" or an array otherwise."""
         return self.get(
             ("causal", N, offset, window_size, return_array),

@@ -17,8 +17,6 @@ Two filter sources:
   block crossed the threshold) makes the fallback chunk-invariant as well.
 """
 
-from typing import Optional
-
 import mlx.core as mx
 
 from ..checks import is_int
@@ -37,9 +35,7 @@ def _as_filter(filters, what: str) -> mx.array:
     if f.ndim == 2:
         f = f[None]
     if f.ndim != 3 or f.shape[1] < 1 or f.shape[2] < 1:
-        raise CacheConfigError(
-            f"{what}: filters must be [H_kv, D] (or [B, H_kv, D]); got shape {list(f.shape)}"
-        )
+        raise CacheConfigError(f"{what}: filters must be [H_kv, D] (or [B, H_kv, D]); got shape {list(f.shape)}")
     norms = mx.linalg.norm(f, axis=-1)
     if not bool(mx.all(mx.isfinite(f)).item()) or bool(mx.any(norms == 0).item()):
         raise CacheConfigError(f"{what}: filters must be finite, non-zero directions")
@@ -62,8 +58,8 @@ class QFiltersKVCache(EvictionKVCache):
         sign: int = 1,
         calib_tokens: int = DEFAULT_CALIB_TOKENS,
         filters=None,
-        n_kv_heads: Optional[int] = None,
-        head_dim: Optional[int] = None,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
     ):
         what = "Q-Filters"
         check_budget(budget, n_sink, what)
@@ -84,7 +80,10 @@ class QFiltersKVCache(EvictionKVCache):
         self.filter = None if filters is None else _as_filter(filters, what)
         self.calibrated = filters is not None
         if self.filter is not None:
-            for name, want, got in (("kv heads", n_kv_heads, self.filter.shape[1]), ("head_dim", head_dim, self.filter.shape[2])):
+            for name, want, got in (
+                ("kv heads", n_kv_heads, self.filter.shape[1]),
+                ("head_dim", head_dim, self.filter.shape[2]),
+            ):
                 if want is not None and want != got:
                     raise CacheConfigError(f"{what}: the filters have {got} {name}, the layer has {want}")
 
@@ -100,7 +99,9 @@ class QFiltersKVCache(EvictionKVCache):
     def _check_incoming(self, keys, values):
         super()._check_incoming(keys, values)
         f = self.filter
-        if f is not None and (f.shape[1] != keys.shape[1] or f.shape[2] != keys.shape[3] or f.shape[0] not in (1, keys.shape[0])):
+        if f is not None and (
+            f.shape[1] != keys.shape[1] or f.shape[2] != keys.shape[3] or f.shape[0] not in (1, keys.shape[0])
+        ):
             raise CacheConfigError(
                 f"{self.kind}: filters of shape {list(f.shape)} do not match this layer's keys "
                 f"[B={keys.shape[0]}, H={keys.shape[1]}, D={keys.shape[3]}]: wrong model or layer"
@@ -116,7 +117,7 @@ class QFiltersKVCache(EvictionKVCache):
             if freeze_due(False, self.offset, self.calib_tokens):  # nothing evicted: rows == positions
                 self.filter = key_svd_filter(keys[:, :, : self.calib_tokens, :])
                 scores = projection_scores(keys, self.filter, self.sign)
-        if self.filter is not None and R > self.budget:
+        if self.filter is not None and self.budget < R:
             idx = qfilters_survivors(scores, self.budget, self.n_sink, self.recent)
             keys, values, positions, scores = (gather_rows(a, idx) for a in (keys, values, positions, scores))
         self.keys, self.values, self.positions, self.scores = keys, values, positions, scores
@@ -149,7 +150,7 @@ class QFiltersKVCache(EvictionKVCache):
         """Bytes one stored row costs one batch row (keys, values, position, score)."""
         return 0 if self.keys is None else row_bytes(self.keys, self.values, self.positions, self.scores)
 
-    def batch_filter(self) -> Optional[mx.array]:
+    def batch_filter(self) -> mx.array | None:
         """The filter in force as [B, H, D] (a calibrated [1, H, D] broadcast over B)."""
         if self.filter is None or self.keys is None:
             return self.filter
@@ -199,8 +200,14 @@ def qfilters_scheme(m, options):
 
     def build(i, o):
         return QFiltersKVCache(
-            budget, n_sink, recent, sign, calib, filters=_layer_filters(o, i),
-            n_kv_heads=o.get("n_kv_heads"), head_dim=o.get("head_dim"),
+            budget,
+            n_sink,
+            recent,
+            sign,
+            calib,
+            filters=_layer_filters(o, i),
+            n_kv_heads=o.get("n_kv_heads"),
+            head_dim=o.get("head_dim"),
         )
 
     return Scheme(m.string, build, False)

@@ -15,8 +15,8 @@
 returns a :class:`QFiltersCalibration`; ``mlxkv.state.qfilters_artifact`` saves and loads it.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +32,7 @@ DEFAULT_MAX_SAMPLES = 3000  # paper section 4.2: 3k SVD samples per head
 class QFiltersCalibration:
     """Per-layer filters ([H_kv, D] float32, None for layers without attention)."""
 
-    filters: List[Optional[mx.array]]
+    filters: list[mx.array | None]
     model_id: str
     n_samples: int
     dataset: str = ""
@@ -44,7 +44,7 @@ class _QueryTap(nn.Module):
     """Stands in for an attention module's ``rope``: mlx-lm attention rotates the queries,
     then the keys, through the same module; the tap keeps the first call of each pair."""
 
-    def __init__(self, rope, n_heads: Optional[int]):
+    def __init__(self, rope, n_heads: int | None):
         super().__init__()
         self.inner = rope
         self.n_heads = n_heads
@@ -70,11 +70,11 @@ def _attention_of(layer):
     return attn if attn is not None and hasattr(attn, "rope") else None
 
 
-def collect_query_activations(model, token_batches: Iterable) -> List[Optional[mx.array]]:
+def collect_query_activations(model, token_batches: Iterable) -> list[mx.array | None]:
     """Post-RoPE queries per layer, float32 [H_q, N, D] (N = all tokens of all batches);
     None for layers without attention (recurrent/convolution layers)."""
     layers = model.layers
-    attns = [_attention_of(l) for l in layers]
+    attns = [_attention_of(layer) for layer in layers]
     if not any(a is not None for a in attns):
         raise MLXKVError("collect_query_activations: the model has no attention layer with a `rope` to tap")
     taps = {}
@@ -93,7 +93,7 @@ def collect_query_activations(model, token_batches: Iterable) -> List[Optional[m
     finally:
         for i, tap in taps.items():
             attns[i].rope = tap.inner
-    out: List[Optional[mx.array]] = []
+    out: list[mx.array | None] = []
     for i in range(len(layers)):
         tap = taps.get(i)
         out.append(None if tap is None or not tap.queries else mx.concatenate(tap.queries, axis=1))
@@ -110,7 +110,7 @@ def compute_qfilters(acts: mx.array, max_samples: int = DEFAULT_MAX_SAMPLES, see
         raise CacheConfigError(f"compute_qfilters: activations must be [H, N, D] with N >= 1, got {list(acts.shape)}")
     x = acts.astype(mx.float32)
     N = x.shape[1]
-    if max_samples is not None and N > max_samples:
+    if max_samples is not None and max_samples < N:
         pick = mx.sort(mx.random.permutation(N, key=mx.random.key(seed))[:max_samples])
         x = mx.take(x, pick, axis=1)
     v1 = top_right_singular_vectors(x)  # [H, D]

@@ -4,8 +4,9 @@ Each returns an :class:`AttentionRead` whose ``attend(q, scale)`` runs attention
 the positions that read may see. Which read it is comes from the method name, never from L.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -19,7 +20,7 @@ class AttentionRead:
     values: Any
     mask: Any
     cache: Any = None  # passed to mlx-lm's SDPA so an affine cache takes the quantized path
-    finish: Optional[Callable[[mx.array], mx.array]] = None  # e.g. un-rotate deferred values
+    finish: Callable[[mx.array], mx.array] | None = None  # e.g. un-rotate deferred values
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         out = scaled_dot_product_attention(

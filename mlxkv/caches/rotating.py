@@ -7,15 +7,13 @@ plain ring gives mlx-lm's logits bit for bit, and ``keep`` leading positions are
 overwritten.
 """
 
-from typing import Optional
-
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
 from ..errors import CacheConfigError
-from .base import CacheContract, row_bytes
 from ..math.affine import check_affine
+from .base import CacheContract, row_bytes
 
 
 def _map(fn, x):
@@ -151,7 +149,7 @@ class _Ring(CacheContract, mlx_cache._BaseCache):
         self._idx -= n
         return n
 
-    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         key = ("ring", N, window_size, return_array, self.max_size, self.offset, self._idx)
         return self.masks.get(key, lambda: self._build_mask(N, window_size, return_array))
 

@@ -10,7 +10,7 @@ whose ``merge(rows)`` builds the batch; the layouts live in ``mlxkv.batched``). 
 family handles raises :class:`~mlxkv.errors.UnknownKindError` naming it.
 """
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import CacheConfigError, MLXKVError
 from ..families import family_of_batched_kind, family_of_kind, kind_of

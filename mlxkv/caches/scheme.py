@@ -4,8 +4,8 @@ Each family that a scheme string can name (``bf16``, ``kv4``, ``turbo-k8v3``, ..
 ``(pattern, parse)`` in its kind record; ``parse(match, options)`` returns a :class:`Scheme`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -13,4 +13,4 @@ class Scheme:
     name: str
     build: Callable[[int, dict], object]  # (layer index, options) -> cache
     quantizes: bool  # sliding-window layers stay bf16 under it (make_cache warns)
-    ring: Optional[Callable[[int, int], object]] = None  # (max_size, keep) -> ring cache
+    ring: Callable[[int, int], object] | None = None  # (max_size, keep) -> ring cache

@@ -8,7 +8,6 @@ pattern matches it.
 
 import re
 import warnings
-from typing import Optional
 
 from mlx_lm.models import cache as mlx_cache
 
@@ -21,7 +20,7 @@ from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
 
 
-def parse_scheme(scheme: str, options: Optional[dict] = None) -> Scheme:
+def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
     """The scheme named ``scheme``, parsed by the family whose pattern matches it."""
     for family in scheme_families():
         pattern, parse = family.scheme
@@ -63,7 +62,7 @@ def attention_geometry(model):
     return heads, dim
 
 
-def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, **options) -> list:
+def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **options) -> list:
     """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
 
     ``max_kv_size`` turns full-attention layers into rings of that size keeping the first
@@ -96,8 +95,7 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: Optional[int] = None, *
             c = parsed.build(i, layer_options) if max_kv_size is None else parsed.ring(max_kv_size, 4)
         else:
             raise SchemeError(
-                f"layer {i}: the model asks for an mlx-lm {type(t).__name__}, which has no "
-                "mlxkv equivalent yet"
+                f"layer {i}: the model asks for an mlx-lm {type(t).__name__}, which has no mlxkv equivalent yet"
             )
         c.masks = masks
         caches.append(c)

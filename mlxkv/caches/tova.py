@@ -15,6 +15,7 @@ from ..math.tova import tova_evict
 from .eviction import EvictionKVCache, check_budget
 from .scheme import Scheme
 
+
 class TOVAKVCache(EvictionKVCache):
     """TOVA-adapted (key-as-query proxy): at most ``budget`` rows after every step, the first
     ``n_sink`` rows never evicted. Memoryless: the cache holds no score."""

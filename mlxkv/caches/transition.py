@@ -9,8 +9,8 @@ append). It reports the kind of the storage it holds now, as mlx-bun does, and t
 conversion travels in snapshots so a restored cache converts at the same position.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import CacheConfigError
 from .base import CacheContract

@@ -24,14 +24,14 @@ It is deliberately not a ``KVCache`` subclass and has no attribute named ``bits`
 would otherwise route it to its affine quantized SDPA.
 """
 
-from functools import lru_cache
-from typing import Callable, Optional
+from collections.abc import Callable
+from functools import cache
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..math import turboquant as tq
 from ..errors import CacheConfigError, MLXKVError
+from ..math import turboquant as tq
 from .base import CacheContract
 from .decode_slot import DecodeSlot
 from .reads import AttentionRead
@@ -46,7 +46,7 @@ def unrotate_output(out: mx.array) -> mx.array:
     return tq.unrotate(out).astype(out.dtype)
 
 
-@lru_cache(maxsize=None)
+@cache
 def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Callable:
     """The pure inside of a compiled decode step (one function object per configuration,
     so ``mx.compile`` traces it once):
@@ -70,7 +70,7 @@ def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Call
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     step = 256
 
-    def __init__(self, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, head_dim: Optional[int] = None):
+    def __init__(self, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, head_dim: int | None = None):
         tq.check_bits(k_bits, v_bits)
         if head_dim is not None:
             tq.check_head_dim(head_dim)
@@ -203,7 +203,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         k, v = self._decoded(keys.dtype, rotated)
         return AttentionRead(k, v, mask, None, unrotate_output if rotated else None)
 
-    def append_decode(self, keys: mx.array, values: mx.array, deferred: Optional[bool] = None) -> AttentionRead:
+    def append_decode(self, keys: mx.array, values: mx.array, deferred: bool | None = None) -> AttentionRead:
         if keys.shape[2] != 1:
             raise MLXKVError(
                 f"append_decode takes one position per row, got L={keys.shape[2]}; "
@@ -211,12 +211,12 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
             )
         return self._read(keys, values, self.make_mask(1), deferred)
 
-    def append_window(self, keys: mx.array, values: mx.array, deferred: Optional[bool] = None) -> AttentionRead:
+    def append_window(self, keys: mx.array, values: mx.array, deferred: bool | None = None) -> AttentionRead:
         return self._read(keys, values, self.make_mask(keys.shape[2]), deferred)
 
     # -- compiled decode: the concat slot ---------------------------------------------
 
-    def prepare_decode_step(self, dtype=None, deferred: Optional[bool] = None) -> DecodeSlot:
+    def prepare_decode_step(self, dtype=None, deferred: bool | None = None) -> DecodeSlot:
         """Decode the stored prefix (outside any compiled graph) for one decode step."""
         if self.storage is None:
             raise MLXKVError("a compiled TurboQuant decode step needs a cache that has been prefilled")
@@ -263,8 +263,13 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         stored = [k_idx, k_scales, k_zeros, v_packed, v_scales]
         self._set_head_dim(k_scales.shape[3] * tq.GROUP)
         d = self.head_dim
-        want = (tq.key_width(d, self.k_bits), d // tq.GROUP, d // tq.GROUP,
-                tq.value_width(d, self.v_bits), d // tq.GROUP)
+        want = (
+            tq.key_width(d, self.k_bits),
+            d // tq.GROUP,
+            d // tq.GROUP,
+            tq.value_width(d, self.v_bits),
+            d // tq.GROUP,
+        )
         if any(a.ndim != 4 or a.shape[:3] != k_idx.shape[:3] or a.shape[3] != w for a, w in zip(stored, want)):
             raise CacheConfigError(
                 f"TurboQuant k{self.k_bits}v{self.v_bits} head_dim {d} stores widths {list(want)}; got shapes "

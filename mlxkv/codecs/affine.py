@@ -1,9 +1,9 @@
 """``qkv`` and ``rotating-qkv``: mlx-lm's affine triples, keys then values."""
 
-from ..errors import CorruptSnapshotError
 from ..caches.quantized import QuantizedKVCache
-from ..math.affine import AFFINE_BITS, AFFINE_GROUPS
 from ..caches.rotating import RotatingQuantizedKVCache
+from ..errors import CorruptSnapshotError
+from ..math.affine import AFFINE_BITS, AFFINE_GROUPS
 from .base import Codec, expect_slots, same_prefix
 from .ring import check_ring
 
@@ -63,8 +63,12 @@ class RotatingAffineCodec(Codec):
     def encode(self, cache):
         n = min(cache.offset, cache._rows())
         fields = {
-            "offset": cache.offset, "idx": cache._idx, "maxSize": cache.max_size, "keep": cache.keep,
-            "groupSize": cache.group_size, "bits": cache.bits,
+            "offset": cache.offset,
+            "idx": cache._idx,
+            "maxSize": cache.max_size,
+            "keep": cache.keep,
+            "groupSize": cache.group_size,
+            "bits": cache.bits,
         }
         return fields, affine_slots(cache.keys, cache.values, n)
 

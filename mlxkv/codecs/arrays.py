@@ -1,7 +1,7 @@
 """``ssm``: one slot per recurrent state array, named by its index; absent arrays are absent."""
 
-from ..errors import CorruptSnapshotError
 from ..caches.arrays import ArraysCache
+from ..errors import CorruptSnapshotError
 from .base import Codec
 
 

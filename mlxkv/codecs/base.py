@@ -7,7 +7,7 @@ Which codec serves which kind, and the type of every header field, is the kind t
 (``mlxkv.families``); ``check_fields`` applies those types before any codec looks.
 """
 
-from typing import Dict, List, Mapping, Sequence, Tuple
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 
@@ -34,17 +34,17 @@ def check_fields(entry: dict, fields: Mapping[str, str]) -> None:
 
 
 class Codec:
-    def encode(self, cache) -> Tuple[dict, List[Tuple[str, mx.array]]]:
+    def encode(self, cache) -> tuple[dict, list[tuple[str, mx.array]]]:
         """Header fields (besides kind, tensors and minimumReusableOffset) and the
         (slot name, array) pairs in slot order."""
         raise NotImplementedError
 
-    def check(self, entry: dict, shapes: Dict[str, Sequence[int]]) -> None:
+    def check(self, entry: dict, shapes: dict[str, Sequence[int]]) -> None:
         """Validate a header entry and the declared slot shapes; raise
         :class:`CorruptSnapshotError` naming what is wrong. Reads no tensor."""
         raise NotImplementedError
 
-    def decode(self, entry: dict, tensors: Dict[str, mx.array]):
+    def decode(self, entry: dict, tensors: dict[str, mx.array]):
         """Rebuild the live cache from a checked entry and its tensors."""
         raise NotImplementedError
 
@@ -53,12 +53,12 @@ class Codec:
         None to restore them position-exact."""
         return None
 
-    def geometry(self, entry: dict, shapes: Dict[str, Sequence[int]]):
+    def geometry(self, entry: dict, shapes: dict[str, Sequence[int]]):
         """(n_kv_heads, head_dim) of the stored keys, or None for state without heads."""
         return None
 
 
-def expect_slots(entry: dict, shapes: Dict[str, Sequence[int]], names: Sequence[str]) -> None:
+def expect_slots(entry: dict, shapes: dict[str, Sequence[int]], names: Sequence[str]) -> None:
     got = list(shapes)
     if got != list(names):
         raise CorruptSnapshotError(
@@ -66,7 +66,7 @@ def expect_slots(entry: dict, shapes: Dict[str, Sequence[int]], names: Sequence[
         )
 
 
-def same_prefix(entry: dict, shapes: Dict[str, Sequence[int]], names: Sequence[str], axes: int = 3):
+def same_prefix(entry: dict, shapes: dict[str, Sequence[int]], names: Sequence[str], axes: int = 3):
     """The named slots are [B, H, T, X] and agree on their first ``axes`` dimensions."""
     for n in names:
         if len(shapes[n]) != 4:

@@ -1,8 +1,8 @@
 """``kv``: keys and values sliced to offset; restores with slack capacity."""
 
 from ..caches.plain import KVCache
-from .base import Codec, expect_slots, same_prefix
 from ..errors import CorruptSnapshotError
+from .base import Codec, expect_slots, same_prefix
 
 SLOTS = ("keys", "values")
 

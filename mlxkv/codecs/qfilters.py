@@ -8,8 +8,8 @@ calibrated filter broadcast over B; absent while the fallback has not frozen). W
 filter, T == min(offset, budget); without, T == offset < calibTokens.
 """
 
-from ..errors import CorruptSnapshotError
 from ..caches.qfilters import QFiltersKVCache
+from ..errors import CorruptSnapshotError
 from .base import Codec, expect_slots
 from .tova import check_budget_fields, check_rows, slot_dtypes
 
@@ -27,7 +27,12 @@ class QFiltersCodec(Codec):
             "calibTokens": cache.calib_tokens,
             "calibrated": bool(cache.calibrated),
         }
-        slots = [("keys", cache.keys), ("values", cache.values), ("positions", cache.positions), ("scores", cache.scores)]
+        slots = [
+            ("keys", cache.keys),
+            ("values", cache.values),
+            ("positions", cache.positions),
+            ("scores", cache.scores),
+        ]
         if cache.filter is not None:
             slots.append(("filter", cache.batch_filter()))
         return fields, slots
@@ -50,7 +55,8 @@ class QFiltersCodec(Codec):
         if has_filter:
             if list(shapes["filter"]) != [B, H, D] or dtypes.get("filter") != "F32":
                 raise CorruptSnapshotError(
-                    f"{kind}: filter is {dtypes.get('filter')} {list(shapes['filter'])}, expected F32 [B, H, D] = {[B, H, D]}"
+                    f"{kind}: filter is {dtypes.get('filter')} {list(shapes['filter'])}, "
+                    f"expected F32 [B, H, D] = {[B, H, D]}"
                 )
             if rows != min(offset, budget):
                 raise CorruptSnapshotError(
@@ -66,12 +72,15 @@ class QFiltersCodec(Codec):
                 )
 
     def decode(self, entry, t):
-        cache = QFiltersKVCache(
-            entry["budget"], entry["nSink"], entry["recent"], entry["sign"], entry["calibTokens"]
-        )
+        cache = QFiltersKVCache(entry["budget"], entry["nSink"], entry["recent"], entry["sign"], entry["calibTokens"])
         return cache.adopt(
-            t["keys"], t["values"], t["positions"], t["scores"], entry["offset"],
-            filter=t.get("filter"), calibrated=entry["calibrated"],
+            t["keys"],
+            t["values"],
+            t["positions"],
+            t["scores"],
+            entry["offset"],
+            filter=t.get("filter"),
+            calibrated=entry["calibrated"],
         )
 
     def geometry(self, entry, shapes):

@@ -1,7 +1,7 @@
 """``rotating``: the whole ring as laid out, with its write index."""
 
-from ..errors import CorruptSnapshotError
 from ..caches.rotating import RotatingKVCache
+from ..errors import CorruptSnapshotError
 from .base import Codec, expect_slots, same_prefix
 
 SLOTS = ("keys", "values")

@@ -6,8 +6,8 @@ every kept row, ascending per (batch, head)). TOVA holds at most ``budget`` rows
 step, so T == min(offset, budget). Restores position-exact.
 """
 
-from ..errors import CorruptSnapshotError
 from ..caches.tova import TOVAKVCache
+from ..errors import CorruptSnapshotError
 from .base import Codec, expect_slots, same_prefix
 
 SLOTS = ("keys", "values", "positions")
@@ -26,7 +26,9 @@ def check_rows(entry: dict, shapes: dict, dtypes: dict, scored=()):
         if len(shapes[name]) != 4:
             raise CorruptSnapshotError(f"{kind} entry: slot {name} must be [B, H, T, D], got {list(shapes[name])}")
         if dtypes.get(name) not in FLOAT_DTYPES:
-            raise CorruptSnapshotError(f"{kind} entry: slot {name} has dtype {dtypes.get(name)}, not one of {FLOAT_DTYPES}")
+            raise CorruptSnapshotError(
+                f"{kind} entry: slot {name} has dtype {dtypes.get(name)}, not one of {FLOAT_DTYPES}"
+            )
     same_prefix(entry, shapes, ("keys", "values"))
     for name, dtype in (("positions", "I32"), *scored):
         if list(shapes[name]) != list(shapes["keys"][:3]):

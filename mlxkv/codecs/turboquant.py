@@ -18,8 +18,8 @@ or widths inconsistent with headDim and the bits, before any tensor is read. The
 (eager or deferred) is not storage and is not persisted: a restored cache reads eagerly.
 """
 
-from ..errors import CacheConfigError, CorruptSnapshotError
 from ..caches.turboquant import SLOTS, TurboQuantKVCache
+from ..errors import CacheConfigError, CorruptSnapshotError
 from ..math import turboquant as tq
 from .base import Codec, expect_slots, same_prefix
 
@@ -53,7 +53,9 @@ class TurboQuantCodec(Codec):
         expect_slots(entry, shapes, SLOTS)
         for slot, shape in shapes.items():
             if len(shape) != 4:
-                raise CorruptSnapshotError(f"{kind} entry: slot {slot} has rank {len(shape)}, expected 4 [B, H, T, width]")
+                raise CorruptSnapshotError(
+                    f"{kind} entry: slot {slot} has rank {len(shape)}, expected 4 [B, H, T, width]"
+                )
         same_prefix(entry, shapes, SLOTS)
         if shapes["kIdx"][2] != n:
             raise CorruptSnapshotError(f"{kind} entry: slots hold {shapes['kIdx'][2]} positions but offset is {n}")

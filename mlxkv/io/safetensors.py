@@ -7,15 +7,16 @@ Peak extra memory is one tensor. Header reader: every declared range is checked 
 the file before a byte of tensor data is touched (tensors are read by tensor_reader.py).
 """
 
+import contextlib
 import ctypes
 import functools
 import json
 import os
 import struct
 import tempfile
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -62,7 +63,7 @@ def crc32_hex(data) -> str:
     return f"{crc32(data) & 0xFFFFFFFF:08x}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def io_pool() -> ThreadPoolExecutor:
     """The one helper thread: checksums while the caller writes, half of each read."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-io")
@@ -79,7 +80,7 @@ def array_buffer(a: mx.array) -> memoryview:
     return memoryview(np.asarray(a)).cast("B")
 
 
-def header_bytes(entries: Dict[str, dict], metadata: Dict[str, str]) -> bytes:
+def header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     doc = {"__metadata__": metadata, **entries}
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
     return raw + b" " * (-len(raw) % 8)
@@ -130,11 +131,11 @@ def _release_cached_pages(path: str) -> None:
 
 def write_atomic(
     path: str,
-    tensors: Sequence[Tuple[str, mx.array]],
-    build_metadata: Callable[[Dict[str, str]], Dict[str, str]],
-    progress: Optional[Callable[[int, int], None]] = None,
+    tensors: Sequence[tuple[str, mx.array]],
+    build_metadata: Callable[[dict[str, str]], dict[str, str]],
+    progress: Callable[[int, int], None] | None = None,
     fsync: bool = True,
-) -> Dict[str, str]:
+) -> dict[str, str]:
     """Write a safetensors file atomically at ``path``; returns name -> crc32 hex.
 
     ``build_metadata(crcs)`` must give a header of the same length for the placeholder
@@ -146,7 +147,7 @@ def write_atomic(
         entries[name] = {"dtype": dtype_name(a), "shape": list(a.shape), "data_offsets": [start, start + n]}
         start += n
     total = start
-    placeholder = header_bytes(entries, build_metadata({n: CRC_PLACEHOLDER for n in entries}))
+    placeholder = header_bytes(entries, build_metadata(dict.fromkeys(entries, CRC_PLACEHOLDER)))
 
     directory = os.path.dirname(os.path.abspath(path))
     _release_cached_pages(path)
@@ -181,10 +182,8 @@ def write_atomic(
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         if isinstance(e, OSError):
             raise _write_error(path, e, "cannot write the snapshot") from e
         raise
@@ -197,8 +196,9 @@ def write_atomic(
                 os.close(dfd)
         except OSError as e:
             raise SnapshotWriteError(
-                e.errno, f"{path}: written, but syncing {directory} failed ({e.strerror or e}): "
-                "the rename may not survive a crash"
+                e.errno,
+                f"{path}: written, but syncing {directory} failed ({e.strerror or e}): "
+                "the rename may not survive a crash",
             ) from e
     return crcs
 
@@ -211,7 +211,7 @@ def _write_error(path: str, e: OSError, what: str) -> SnapshotWriteError:
 class TensorInfo:
     name: str
     dtype: str
-    shape: List[int]
+    shape: list[int]
     begin: int  # absolute file offsets
     end: int
 
@@ -219,8 +219,8 @@ class TensorInfo:
 @dataclass
 class SafetensorsHeader:
     path: str
-    metadata: Dict[str, str]
-    tensors: Dict[str, TensorInfo]
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
     data_start: int
     file_size: int
 

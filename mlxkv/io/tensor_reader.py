@@ -11,7 +11,7 @@ staging buffer and no memory beyond the arrays themselves.
 import io
 import os
 import struct
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -24,11 +24,11 @@ _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads
 _CHUNK = 512 << 10  # read, then checksum while still in cache (measured best of 64 KiB-8 MiB)
 _PARALLEL = crc32_combine is not None and hasattr(os, "preadv")
 
-Piece = Tuple[memoryview, int]  # destination, file offset
-Request = Tuple[str, Optional[str], Optional[int]]  # name, expected CRC-32 (or None), rows
+Piece = tuple[memoryview, int]  # destination, file offset
+Request = tuple[str, str | None, int | None]  # name, expected CRC-32 (or None), rows
 
 
-def _pread_into(fd: int, views: List[memoryview], offset: int) -> int:
+def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
     """Fill ``views`` in order from the bytes of ``fd`` at ``offset``; returns the bytes read,
     fewer than asked only at the end of the file."""
     views = [v for v in views if len(v)]
@@ -50,7 +50,7 @@ def _pread_into(fd: int, views: List[memoryview], offset: int) -> int:
     return total
 
 
-def _chunks(pieces: List[Piece], size: int):
+def _chunks(pieces: list[Piece], size: int):
     """File-contiguous ``pieces`` regrouped as (views, file offset) of at most ``size`` bytes."""
     batch, n, offset = [], 0, pieces[0][1] if pieces else 0
     for v, _ in pieces:
@@ -65,7 +65,7 @@ def _chunks(pieces: List[Piece], size: int):
         yield batch, offset
 
 
-def _read_and_checksum(fd: int, pieces: List[Piece], crc: int = 0) -> Tuple[int, int]:
+def _read_and_checksum(fd: int, pieces: list[Piece], crc: int = 0) -> tuple[int, int]:
     """Read file-contiguous ``pieces``; returns (CRC-32 continuing ``crc``, bytes read)."""
     total = 0
     for views, offset in _chunks(pieces, _CHUNK):
@@ -79,7 +79,7 @@ def _read_and_checksum(fd: int, pieces: List[Piece], crc: int = 0) -> Tuple[int,
     return crc, total
 
 
-def _split(pieces: List[Piece], at: int) -> Tuple[List[Piece], List[Piece]]:
+def _split(pieces: list[Piece], at: int) -> tuple[list[Piece], list[Piece]]:
     """``pieces`` cut into their first ``at`` bytes and the rest."""
     for i, (v, off) in enumerate(pieces):
         if at < len(v):
@@ -96,7 +96,7 @@ class _Target:
     followed by ``slack`` zero bytes (the slack rows of one [B, H] block), or nothing.
     """
 
-    def __init__(self, info: TensorInfo, expected_crc: Optional[str], rows: Optional[int]):
+    def __init__(self, info: TensorInfo, expected_crc: str | None, rows: int | None):
         self.info, self.expected_crc = info, expected_crc
         self.shape = list(info.shape)
         if rows is not None and len(self.shape) == 4 and rows > self.shape[2]:
@@ -153,7 +153,7 @@ class _LoadStream(io.RawIOBase):
     """The stand-in file ``mx.load`` reads: a safetensors header for ``targets`` (in file
     order), then their array bytes, produced on demand by ``readinto``."""
 
-    def __init__(self, fd: int, targets: List[_Target], progress: Optional[Callable[[int, int], None]]):
+    def __init__(self, fd: int, targets: list[_Target], progress: Callable[[int, int], None] | None):
         self.fd, self.targets, self.progress = fd, targets, progress
         entries, self.spans, pos = {}, [], 0
         for t in targets:
@@ -209,13 +209,13 @@ class TensorReader:
     def __init__(self, header: SafetensorsHeader):
         self.header = header
         try:
-            self._file = open(header.path, "rb")
+            self._file = open(header.path, "rb")  # noqa: SIM115 - closed by close() / __exit__
         except OSError as e:  # gone or locked since its header was read
             raise SnapshotError(f"{header.path}: cannot read: {e}") from e
 
     def read_all(
-        self, requests: Iterable[Request], progress: Optional[Callable[[int, int], None]] = None
-    ) -> Dict[str, mx.array]:
+        self, requests: Iterable[Request], progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, mx.array]:
         """The tensors asked for by (name, expected CRC-32 or None, rows), by name, in one
         pass over the file; every given checksum is verified before anything is returned.
 
@@ -241,7 +241,7 @@ class TensorReader:
             t.check(self.header.path)
         return arrays
 
-    def read(self, name: str, expected_crc: Optional[str] = None, rows: Optional[int] = None) -> mx.array:
+    def read(self, name: str, expected_crc: str | None = None, rows: int | None = None) -> mx.array:
         """One tensor; see ``read_all``."""
         return self.read_all([(name, expected_crc, rows)])[name]
 

@@ -23,9 +23,7 @@ def _check(bits: int, n: int) -> None:
     if bits not in PACK_BITS:
         raise CacheConfigError(f"bit packing supports bits in {PACK_BITS}, got {bits}")
     if n % CODES_PER_BLOCK:
-        raise CacheConfigError(
-            f"bit packing needs a multiple of {CODES_PER_BLOCK} codes per row, got {n}"
-        )
+        raise CacheConfigError(f"bit packing needs a multiple of {CODES_PER_BLOCK} codes per row, got {n}")
 
 
 def packed_width(n: int, bits: int) -> int:
@@ -60,9 +58,7 @@ def unpack(packed: mx.array, bits: int, n: int) -> mx.array:
     _check(bits, n)
     *lead, width = packed.shape
     if width != n * bits // 8:
-        raise CacheConfigError(
-            f"a row of {n} codes at {bits} bits packs into {n * bits // 8} bytes, got {width}"
-        )
+        raise CacheConfigError(f"a row of {n} codes at {bits} bits packs into {n * bits // 8} bytes, got {width}")
     if bits == 8:
         return packed.astype(mx.uint8)
     word = _word(bits)

@@ -63,11 +63,12 @@ def qfilters_survivors(scores: mx.array, budget: int, n_sink: int, recent: int) 
     rows = mx.arange(R)
     forced = (rows < n_sink) | (rows >= R - recent)
     priority = mx.where(forced, mx.inf, scores)
-    if R == budget + 1:  # a decode step: the lowest priority goes, the highest index on a tie
+    if budget + 1 == R:  # a decode step: the lowest priority goes, the highest index on a tie
         return drop_one(priority, lowest_index=False)
     key = descending_order_key(priority)
     best = mx.argpartition(key, kth=budget - 1, axis=-1)[..., :budget]
     return mx.sort(best.astype(mx.int32), axis=-1)
+
 
 def freeze_due(frozen, offset, calib_tokens):
     """The key-SVD fallback freezes its filter once ``calib_tokens`` keys were seen (nothing

@@ -56,7 +56,7 @@ def tova_evict(keys, values, positions, budget: int, n_sink: int, chunk: int = T
     """Apply TOVA to rows in temporal order whose first ``budget`` rows were stored before the
     rest arrived. Returns the kept (keys, values, positions), at most ``budget`` rows."""
     R = keys.shape[2]
-    if R <= budget:
+    if budget >= R:
         return keys, values, positions
     kept = (keys[..., :budget, :], values[..., :budget, :], positions[..., :budget])
     for start in range(budget, R, chunk):

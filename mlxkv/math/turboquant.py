@@ -33,7 +33,6 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -61,9 +60,7 @@ def check_bits(k_bits, v_bits) -> None:
 
 def check_head_dim(head_dim) -> None:
     if head_dim not in HEAD_DIMS or isinstance(head_dim, bool):
-        raise CacheConfigError(
-            f"TurboQuant supports head_dim in {HEAD_DIMS} (the FWHT sign tables), got {head_dim!r}"
-        )
+        raise CacheConfigError(f"TurboQuant supports head_dim in {HEAD_DIMS} (the FWHT sign tables), got {head_dim!r}")
 
 
 def key_width(head_dim: int, k_bits: int) -> int:
@@ -85,10 +82,10 @@ def bytes_per_head(head_dim: int, k_bits: int, v_bits: int) -> int:
 
 @dataclass(frozen=True)
 class Codebook:
-    centroids: Dict[int, mx.array]  # bits -> float32 [2^bits]
-    boundaries: Dict[int, mx.array]  # bits -> float32 [2^bits - 1], strictly increasing
-    boundary_values: Dict[int, Tuple[float, ...]]  # the same, as exact Python floats
-    signs: Dict[int, mx.array]  # head_dim -> float32 [head_dim] of +1/-1
+    centroids: dict[int, mx.array]  # bits -> float32 [2^bits]
+    boundaries: dict[int, mx.array]  # bits -> float32 [2^bits - 1], strictly increasing
+    boundary_values: dict[int, tuple[float, ...]]  # the same, as exact Python floats
+    signs: dict[int, mx.array]  # head_dim -> float32 [head_dim] of +1/-1
 
 
 def _f32_digest(values) -> str:
@@ -132,7 +129,7 @@ def _groups(x: mx.array) -> mx.array:
     return x.astype(mx.float32).reshape(*lead, d // GROUP, GROUP)
 
 
-def encode_keys(keys: mx.array, k_bits: int) -> Tuple[mx.array, mx.array, mx.array]:
+def encode_keys(keys: mx.array, k_bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """Per-element key codes (int8 at 8 bits, else uint8), float16 scales and zero points."""
     shape = keys.shape
     x = _groups(keys)
@@ -199,7 +196,7 @@ def count_below(y: mx.array, boundaries) -> mx.array:
     return count
 
 
-def encode_values_rotated(y: mx.array, v_bits: int) -> Tuple[mx.array, mx.array]:
+def encode_values_rotated(y: mx.array, v_bits: int) -> tuple[mx.array, mx.array]:
     """Codes (uint8 per element) and float16 RMS scales of already rotated values."""
     shape = y.shape
     g = _groups(y)
@@ -208,7 +205,7 @@ def encode_values_rotated(y: mx.array, v_bits: int) -> Tuple[mx.array, mx.array]
     return idx.reshape(shape), scale.squeeze(-1).astype(mx.float16)
 
 
-def encode_values(values: mx.array, v_bits: int) -> Tuple[mx.array, mx.array]:
+def encode_values(values: mx.array, v_bits: int) -> tuple[mx.array, mx.array]:
     return encode_values_rotated(rotate(values), v_bits)
 
 
@@ -257,8 +254,11 @@ def unpack_stored(stored, k_bits: int, v_bits: int):
     k_idx, k_scales, k_zeros, v_packed, v_scales = stored
     d = k_scales.shape[-1] * GROUP
     return (
-        unpack_keys(k_idx, k_bits, d), k_scales, k_zeros,
-        bitpack.unpack(v_packed, v_bits, d), v_scales,
+        unpack_keys(k_idx, k_bits, d),
+        k_scales,
+        k_zeros,
+        bitpack.unpack(v_packed, v_bits, d),
+        v_scales,
     )
 
 

@@ -4,7 +4,6 @@ and the geometry (layer count, kv heads, head dim) a model expects."""
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 from ..caches.schemes import attention_geometry, make_cache, model_config
 
@@ -43,8 +42,8 @@ def model_identity(model) -> dict:
 @dataclass(frozen=True)
 class Geometry:
     layers: int
-    kv_heads: Optional[int]
-    head_dim: Optional[int]
+    kv_heads: int | None
+    head_dim: int | None
 
 
 def model_geometry(model) -> Geometry:

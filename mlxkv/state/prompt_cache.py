@@ -22,17 +22,17 @@ their caches cover; see :func:`convert_prompt_cache` for where mlxkv takes them 
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
 
-from ..io.safetensors import read_safetensors_header
-from ..io.tensor_reader import TensorReader
-from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
 from ..caches.arrays import ArraysCache
 from ..caches.masks import ForwardMasks
 from ..caches.plain import KVCache
 from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache
+from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
+from ..io.safetensors import read_safetensors_header
+from ..io.tensor_reader import TensorReader
 from .snapshot import META_KEY, save
 
 TOKENS_METADATA_KEY = "tokens"
@@ -63,23 +63,23 @@ class PromptCacheFile:
     """What an mlx-lm prompt-cache file holds, as mlxkv caches."""
 
     caches: list
-    tokens: Optional[List[int]]  # None when neither the caller nor the file gave them
-    metadata: Dict[str, str]
-    classes: List[str]
+    tokens: list[int] | None  # None when neither the caller nor the file gave them
+    metadata: dict[str, str]
+    classes: list[str]
     offset: int  # the positions the caches cover
     path: str = ""
-    scalars: Dict[str, object] = field(default_factory=dict)
+    scalars: dict[str, object] = field(default_factory=dict)
 
 
 # -- layout ---------------------------------------------------------------------------
 
 
-def _indexed(meta: Dict[str, str], prefix: str) -> Dict[int, str]:
+def _indexed(meta: dict[str, str], prefix: str) -> dict[int, str]:
     pat = re.compile(re.escape(prefix) + r"(\d+)")
     return {int(m.group(1)): v for k, v in meta.items() if (m := pat.fullmatch(k))}
 
 
-def _parse_layout(path: str, meta: Dict[str, str]):
+def _parse_layout(path: str, meta: dict[str, str]):
     """(user metadata, class names, {tensor name: scalar type}) of the current layout."""
     if META_KEY in meta:
         raise SnapshotError(f"{path}: this is already an mlxkv snapshot; open it with mlxkv.load")
@@ -176,7 +176,7 @@ def _arrays(v, ctx):
     return ArraysCache(size).adopt([v.get(f"0.{j}") for j in range(size)], 0)
 
 
-CONVERTERS: Dict[str, Callable] = {
+CONVERTERS: dict[str, Callable] = {
     "KVCache": _kv,
     "QuantizedKVCache": _quantized,
     "RotatingKVCache": _rotating,
@@ -205,9 +205,7 @@ class _LayerContext:
 
     def rows(self, keys, offset):
         if keys.ndim != 4 or keys.shape[2] < offset:
-            raise CorruptSnapshotError(
-                f"{self.where}: keys of shape {list(keys.shape)} cannot hold offset {offset}"
-            )
+            raise CorruptSnapshotError(f"{self.where}: keys of shape {list(keys.shape)} cannot hold offset {offset}")
 
     def list_size(self, prefix):
         idx = [int(n[len(prefix) + 1 :]) for n in self.names if re.fullmatch(re.escape(prefix) + r"\.\d+", n)]
@@ -229,7 +227,7 @@ def _scalar_value(a, name, kind, where):
     return a.item()
 
 
-def _tokens_from_metadata(path, meta) -> Optional[List[int]]:
+def _tokens_from_metadata(path, meta) -> list[int] | None:
     text = meta.get(TOKENS_METADATA_KEY)
     if text is None:
         return None
@@ -238,13 +236,11 @@ def _tokens_from_metadata(path, meta) -> Optional[List[int]]:
     except ValueError:
         tokens = None
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise CorruptSnapshotError(
-            f"{path}: metadata {TOKENS_METADATA_KEY!r} must be a JSON list of token ids"
-        )
+        raise CorruptSnapshotError(f"{path}: metadata {TOKENS_METADATA_KEY!r} must be a JSON list of token ids")
     return tokens
 
 
-def read_prompt_cache(path: str, tokens: Optional[Sequence[int]] = None) -> PromptCacheFile:
+def read_prompt_cache(path: str, tokens: Sequence[int] | None = None) -> PromptCacheFile:
     """Read an mlx-lm prompt-cache file into mlxkv caches (no code named by the file runs).
 
     ``tokens`` (or the file's ``tokens`` metadata, a JSON list) must have as many entries as
@@ -254,7 +250,7 @@ def read_prompt_cache(path: str, tokens: Optional[Sequence[int]] = None) -> Prom
     user, classes, scalars = _parse_layout(path, st.metadata)
 
     # Everything about the structure is checked before a tensor is read.
-    per_layer: Dict[int, List[str]] = {i: [] for i in range(len(classes))}
+    per_layer: dict[int, list[str]] = {i: [] for i in range(len(classes))}
     for name in st.tensors:
         head, _, rest = name.partition(".")
         if not head.isdigit() or int(head) >= len(classes) or not rest:
@@ -305,24 +301,20 @@ def read_prompt_cache(path: str, tokens: Optional[Sequence[int]] = None) -> Prom
     if tokens is not None:
         tokens = [int(t) for t in tokens]
         if file_tokens is not None and file_tokens != tokens:
-            raise MissingTokensError(
-                f"{path}: the given tokens differ from the tokens recorded in the file's metadata"
-            )
+            raise MissingTokensError(f"{path}: the given tokens differ from the tokens recorded in the file's metadata")
     else:
         tokens = file_tokens
     if offset is None:  # recurrent state only: the tokens are the only record of the position
         offset = len(tokens) if tokens is not None else 0
     if tokens is not None and len(tokens) != offset:
-        raise MissingTokensError(
-            f"{path}: the caches cover {offset} positions but {len(tokens)} tokens were given"
-        )
+        raise MissingTokensError(f"{path}: the caches cover {offset} positions but {len(tokens)} tokens were given")
     for c in caches:
         if isinstance(c, ArraysCache):
             c.offset = offset
     return PromptCacheFile(caches, tokens, user, classes, offset, path, found_scalars)
 
 
-def parse_tokens(text: str) -> List[int]:
+def parse_tokens(text: str) -> list[int]:
     """Tokens from a command-line value: ``"1,2,3"``, ``"1 2 3"``, a JSON list, or
     ``@file`` holding any of those."""
     if text.startswith("@"):
@@ -347,8 +339,8 @@ def parse_tokens(text: str) -> List[int]:
 def convert_prompt_cache(
     src: str,
     dst: str,
-    tokens: Optional[Sequence[int]] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
+    tokens: Sequence[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **identity,
 ) -> dict:
     """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``.

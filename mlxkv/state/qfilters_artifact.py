@@ -14,13 +14,11 @@ layers or head layout disagree with that model.
 """
 
 import json
-from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..io.safetensors import read_safetensors_header, write_atomic
-from ..io.tensor_reader import TensorReader
+from ..caches.qfilters_calibration import CALIBRATION_VERSION, QFiltersCalibration
 from ..errors import (
     CorruptSnapshotError,
     FormatVersionError,
@@ -28,7 +26,8 @@ from ..errors import (
     IdentityMismatchError,
     MLXKVError,
 )
-from ..caches.qfilters_calibration import CALIBRATION_VERSION, QFiltersCalibration
+from ..io.safetensors import read_safetensors_header, write_atomic
+from ..io.tensor_reader import TensorReader
 from .identity import model_geometry
 
 META_KEY = "mlxkv.qfilters"
@@ -88,8 +87,12 @@ def _parse(path: str, st) -> dict:
         )
     n, layers, crcs = meta.get("nLayers"), meta.get("layers"), meta.get("crc32")
     if (
-        not isinstance(n, int) or n < 1 or not isinstance(layers, list) or not isinstance(crcs, dict)
-        or not all(isinstance(i, int) and 0 <= i < n for i in layers) or layers != sorted(set(layers))
+        not isinstance(n, int)
+        or n < 1
+        or not isinstance(layers, list)
+        or not isinstance(crcs, dict)
+        or not all(isinstance(i, int) and 0 <= i < n for i in layers)
+        or layers != sorted(set(layers))
     ):
         raise CorruptSnapshotError(f"{path}: calibration metadata lists layers {layers!r} of nLayers={n!r}")
     names = {_tensor_name(i) for i in layers}
@@ -119,14 +122,18 @@ def _check_model(path: str, meta: dict, st, model):
             raise GeometryMismatchError(f"{path}: no filter for full-attention layer {i} of the model")
         if name in st.tensors:
             heads, dim = st.tensors[name].shape
-            if (geo.kv_heads is not None and heads != geo.kv_heads) or (geo.head_dim is not None and dim != geo.head_dim):
+            if (geo.kv_heads is not None and heads != geo.kv_heads) or (
+                geo.head_dim is not None and dim != geo.head_dim
+            ):
                 raise GeometryMismatchError(
                     f"{path}: layer {i} filter is [{heads}, {dim}], the model has "
                     f"{geo.kv_heads} kv heads of dim {geo.head_dim}"
                 )
 
 
-def load_qfilters(path: str, expect_model_id: Optional[str] = None, model=None, verify: bool = True) -> QFiltersCalibration:
+def load_qfilters(
+    path: str, expect_model_id: str | None = None, model=None, verify: bool = True
+) -> QFiltersCalibration:
     """Read a calibration written by :func:`save_qfilters`; everything is checked before a
     tensor is read. ``expect_model_id``: refuse another model's filters. ``model``: refuse a
     calibration whose layer count, calibrated layers or head layout disagree with it."""

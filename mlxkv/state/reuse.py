@@ -7,7 +7,7 @@ cache, and either ``p`` is the whole entry or every cache can be trimmed back to
 method attachment rides on the entry (attachments are never trimmed).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from ..errors import MLXKVError
 
@@ -22,8 +22,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def usable_prefix(
-    entry_tokens: Sequence[int], caches: Sequence, prompt: Sequence[int], attachments: Optional[dict] = None
-) -> Optional[int]:
+    entry_tokens: Sequence[int], caches: Sequence, prompt: Sequence[int], attachments: dict | None = None
+) -> int | None:
     """How many positions of the entry the prompt may reuse, or None if it may not."""
     if not prompt:
         return None
@@ -38,8 +38,8 @@ def usable_prefix(
 
 
 def reuse_prefix(
-    entry_tokens: Sequence[int], caches: Sequence, prompt: Sequence[int], attachments: Optional[dict] = None
-) -> Tuple[List[int], int]:
+    entry_tokens: Sequence[int], caches: Sequence, prompt: Sequence[int], attachments: dict | None = None
+) -> tuple[list[int], int]:
     """Trim ``caches`` in place to the usable prefix; returns (tokens still to forward, p)."""
     p = usable_prefix(entry_tokens, caches, prompt, attachments)
     if p is None:

@@ -17,13 +17,13 @@ single position, and its logits and tokens equal those of a run that never stopp
 """
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..errors import CacheConfigError, CorruptSnapshotError, SnapshotError
 from ..caches.schemes import make_cache
+from ..errors import CacheConfigError, CorruptSnapshotError, SnapshotError
 from .identity import model_identity
 from .snapshot import load, save
 
@@ -107,12 +107,12 @@ class Session:
         key: mx.array,
         seed: int,
         sampler: Sampler,
-        logits: Optional[mx.array] = None,
+        logits: mx.array | None = None,
     ):
         self.model = model
         self.caches = caches
-        self.prompt_tokens: List[int] = [int(t) for t in prompt_tokens]
-        self.generated_tokens: List[int] = [int(t) for t in generated_tokens]
+        self.prompt_tokens: list[int] = [int(t) for t in prompt_tokens]
+        self.generated_tokens: list[int] = [int(t) for t in generated_tokens]
         self.pending_token = int(pending_token)
         self.key = key
         self.seed = int(seed)
@@ -128,9 +128,9 @@ class Session:
         model,
         prompt_tokens: Sequence[int],
         scheme: str = "bf16",
-        sampler: Optional[Sampler] = None,
+        sampler: Sampler | None = None,
         seed: int = 0,
-        caches: Optional[list] = None,
+        caches: list | None = None,
         prefill_step_size: int = 512,
         **make_cache_options,
     ) -> "Session":
@@ -154,7 +154,7 @@ class Session:
     # -- generating ----------------------------------------------------------------------
 
     @property
-    def tokens(self) -> List[int]:
+    def tokens(self) -> list[int]:
         """The positions the caches cover: prompt + generated."""
         return self.prompt_tokens + self.generated_tokens
 
@@ -177,7 +177,7 @@ class Session:
         self._sample(self._forward([token]))
         return token
 
-    def generate(self, n: int, on_token: Optional[Callable[[int, mx.array], None]] = None) -> List[int]:
+    def generate(self, n: int, on_token: Callable[[int, mx.array], None] | None = None) -> list[int]:
         """Emit ``n`` tokens; ``on_token(token, logits)`` sees each emitted token and the
         logits computed after forwarding it."""
         out = []
@@ -265,9 +265,7 @@ def _check_checkpoint(path: str, header: dict) -> None:
     if not cp["promptTokens"]:
         raise CorruptSnapshotError(f"{where}.promptTokens is empty")
     if cp["promptTokens"] + cp["generatedTokens"] != header.get("tokens"):
-        raise CorruptSnapshotError(
-            f"{where}: promptTokens + generatedTokens differ from the tokens the caches cover"
-        )
+        raise CorruptSnapshotError(f"{where}: promptTokens + generatedTokens differ from the tokens the caches cover")
     for name in ("pendingToken", "seed"):
         if not _is_int(cp.get(name)):
             raise CorruptSnapshotError(f"{where}.{name} must be an integer, got {cp.get(name)!r}")

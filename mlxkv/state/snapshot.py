@@ -8,11 +8,22 @@ verifies its CRC-32. ``read_header`` is the check without tensor I/O.
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..caches.masks import ForwardMasks
+from ..caches.schemes import scheme_for_pending
+from ..caches.transition import Bf16FirstCache
+from ..errors import (
+    CorruptSnapshotError,
+    EmptyCacheError,
+    FormatVersionError,
+    GeometryMismatchError,
+    IdentityMismatchError,
+    SnapshotError,
+)
 from ..families import family_of_kind, family_of_persisted, kind_of
 from ..io.safetensors import (
     SafetensorsHeader,
@@ -22,17 +33,6 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
-from ..errors import (
-    CorruptSnapshotError,
-    EmptyCacheError,
-    FormatVersionError,
-    GeometryMismatchError,
-    IdentityMismatchError,
-    SnapshotError,
-)
-from ..caches.masks import ForwardMasks
-from ..caches.schemes import scheme_for_pending
-from ..caches.transition import Bf16FirstCache
 from .identity import IDENTITY_FIELDS, model_geometry
 from .kinds import check_entry, is_recurrent_cache
 
@@ -46,12 +46,12 @@ META_CRC_KEY = "mlxkv.crc32"
 @dataclass
 class Snapshot:
     caches: list
-    tokens: List[int]
+    tokens: list[int]
     header: dict
     path: str = ""
 
     @property
-    def generation_checkpoint(self) -> Optional[dict]:
+    def generation_checkpoint(self) -> dict | None:
         return self.header.get("generationCheckpoint")
 
 
@@ -69,9 +69,7 @@ def _encode_all(caches, tokens):
         kind = kind_of(cache)
         family = family_of_kind(kind)  # unknown kinds fail before anything is written
         if _is_empty(cache):
-            raise EmptyCacheError(
-                f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving"
-            )
+            raise EmptyCacheError(f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving")
         if not is_recurrent_cache(cache) and cache.offset != len(tokens):
             raise SnapshotError(
                 f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
@@ -100,11 +98,11 @@ def save(
     config_fingerprint: str = "",
     tokenizer_hash: str = "",
     ns: str = "",
-    generation_checkpoint: Optional[dict] = None,
-    attachments: Optional[dict] = None,
-    progress: Optional[Callable[[int, int], None]] = None,
+    generation_checkpoint: dict | None = None,
+    attachments: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
     fsync: bool = True,
-    created_at: Optional[str] = None,
+    created_at: str | None = None,
 ) -> dict:
     """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
 
@@ -113,9 +111,9 @@ def save(
     """
     tokens = [int(t) for t in tokens]
     entries, tensors = _encode_all(list(caches), tokens)
-    for name, a in tensors:
+    for _, a in tensors:
         dtype_name(a)  # unsupported dtypes fail before the file is opened
-    by_name = {n: a for n, a in tensors}
+    by_name = dict(tensors)
     base = {
         "formatVersion": FORMAT_VERSION,
         "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -138,7 +136,7 @@ def save(
 
     final = {}
 
-    def build(crcs: Dict[str, str]) -> Dict[str, str]:
+    def build(crcs: dict[str, str]) -> dict[str, str]:
         for entry in entries:
             for t in entry["tensors"]:
                 a = by_name[t["name"]]
@@ -250,9 +248,7 @@ def _check_geometry(path, header, model):
     geo = model_geometry(model)
     entries = header["caches"]
     if len(entries) != geo.layers:
-        raise GeometryMismatchError(
-            f"{path}: snapshot has {len(entries)} cache layers, the model has {geo.layers}"
-        )
+        raise GeometryMismatchError(f"{path}: snapshot has {len(entries)} cache layers, the model has {geo.layers}")
     for i, entry in enumerate(entries):
         shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
         g = family_of_persisted(entry["kind"]).codec.geometry(entry, shapes)
@@ -271,7 +267,7 @@ def load(
     model=None,
     *,
     verify: bool = True,
-    progress: Optional[Callable[[int, int], None]] = None,
+    progress: Callable[[int, int], None] | None = None,
     **expect,
 ) -> Snapshot:
     """Restore a snapshot. ``expect`` takes model_id, config_fingerprint, tokenizer_hash, ns;
@@ -303,7 +299,7 @@ def load(
     return Snapshot(caches, list(header["tokens"]), header, path)
 
 
-def verify(path: str, progress: Optional[Callable[[int, int], None]] = None) -> dict:
+def verify(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
     """Check every checksum of ``path`` without building caches; returns the header."""
     st = read_safetensors_header(path)
     header = _parse(st)

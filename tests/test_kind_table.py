@@ -1,0 +1,215 @@
+"""The kind table: a family declared in this file alone (a live cache, a codec, one record)
+builds from a scheme, generates, saves, loads, joins a batch, comes back out of it and
+runs a compiled decode step; and every registered family's record agrees with its codec."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import greedy, run
+
+import mlxkv
+from mlxkv.batched.attention import RowFormat
+from mlxkv.caches.decode_slot import DecodeSlot
+from mlxkv.caches.scheme import Scheme
+from mlxkv.codecs.base import Codec, expect_slots, same_prefix
+from mlxkv.errors import CorruptSnapshotError
+from mlxkv.families import COUNT, family_of_kind, family_of_persisted
+from mlxkv.seeded import prompt
+
+# -- the toy family: keys and values stored as float16, attended in the input dtype ---------
+
+
+class HalfKVCache(mlxkv.KVCache):
+    """A plain cache that stores float16 and hands attention the caller's dtype."""
+
+    kind = "kv:toy-half"
+
+    def update_and_fetch(self, keys, values):
+        k, v = super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+        return k.astype(keys.dtype), v.astype(values.dtype)
+
+
+class HalfCodec(Codec):
+    def encode(self, cache):
+        n = cache.offset
+        return {"offset": n}, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
+
+    def check(self, entry, shapes):
+        expect_slots(entry, shapes, ("keys", "values"))
+        same_prefix(entry, shapes, ("keys", "values"))
+        if shapes["keys"][2] != entry["offset"]:
+            raise CorruptSnapshotError("toy-half entry: rows != offset")
+
+    def decode(self, entry, tensors):
+        return HalfKVCache().adopt(tensors["keys"], tensors["values"], entry["offset"])
+
+    def geometry(self, entry, shapes):
+        return shapes["keys"][1], shapes["keys"][3]
+
+
+@dataclass(frozen=True)
+class HalfStorage:
+    affine = False
+    key_fills = value_fills = (0,)
+
+    def encode_keys(self, x):
+        return (x.astype(mx.float16),)
+
+    encode_values = encode_keys
+
+    def fetch_keys(self, t, dtype=None):
+        return t[0].astype(dtype or mx.bfloat16)
+
+    fetch_values = decode_keys = decode_values = fetch_keys
+
+
+@dataclass(frozen=True)
+class HalfRows(RowFormat):
+    storage = HalfStorage()
+    serial_kind = "kv:toy-half"
+
+    def read(self, row):
+        n = row.offset
+        if row.keys is None or n == 0:
+            return None, None, 0, {}
+        return (row.keys[..., :n, :],), (row.values[..., :n, :],), n, {}
+
+    def restore(self, keys, values, offset, count, dtype, extras):
+        row = HalfKVCache()
+        return row if keys is None else row.adopt(keys[0], values[0], offset)
+
+
+def half_decode_slot(cache):
+    def step(prefix_keys, prefix_values, keys, values):
+        k = mx.concatenate([prefix_keys, keys.astype(mx.float16)], axis=2).astype(keys.dtype)
+        v = mx.concatenate([prefix_values, values.astype(mx.float16)], axis=2).astype(values.dtype)
+        return k, v, (keys, values)
+
+    pk, pv = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    return DecodeSlot(pk, pv, step, lambda codes: cache.update_and_fetch(*codes))
+
+
+TOY = mlxkv.Family(
+    kind="kv:toy-half",
+    persisted="toy-half",
+    cache=HalfKVCache,
+    codec=HalfCodec(),
+    fields={"offset": COUNT},
+    rows=lambda row: HalfRows(),
+    decode_slot=half_decode_slot,
+    scheme=(r"toy-half", lambda m, options: Scheme(m.string, lambda i, o: HalfKVCache(), True)),
+)
+
+
+@pytest.fixture
+def toy():
+    mlxkv.register_family(TOY)
+    yield TOY
+    mlxkv.unregister_family("toy-half")
+
+
+def test_a_family_declared_in_one_record_saves_loads_joins_and_decodes(toy, models, tmp_path):
+    model = models("llama")
+    prompts = [prompt(n, seed=40 + n) for n in (9, 14)]
+
+    # scheme -> live caches -> generation
+    refs = []
+    for p in prompts:
+        caches = mlxkv.make_cache(model, "toy-half")
+        assert {c.kind for c in caches} == {"kv:toy-half"}
+        first = int(mx.argmax(run(model, caches, p)[0]).item())
+        refs.append((first, greedy(model, caches, first, 6)[0]))
+
+    # save and load: the header names the toy kind, the loaded caches continue identically
+    caches = mlxkv.make_cache(model, "toy-half")
+    first = int(mx.argmax(run(model, caches, prompts[0])[0]).item())
+    path = str(tmp_path / "toy.safetensors")
+    header = mlxkv.save(path, caches, prompts[0])
+    assert {e["kind"] for e in header["caches"]} == {"toy-half"}
+    snap = mlxkv.load(path, model=model)
+    assert all(isinstance(c, HalfKVCache) and c.keys.dtype == mx.float16 for c in snap.caches)
+    assert greedy(model, snap.caches, first, 6)[0] == refs[0][1]
+
+    # rows join one batch and decode as each alone; extracted rows are the serial caches
+    rows = []
+    for p in prompts:
+        caches = mlxkv.make_cache(model, "toy-half")
+        run(model, caches, p)
+        rows.append(caches)
+    batch = mlxkv.merge_model_rows(rows)
+    assert {b.kind for b in batch} == {"kv:batched-toy-half"}
+    y = mx.array([[first] for first, _ in refs])
+    out = [[] for _ in prompts]
+    for _ in range(6):
+        logits = model(y, cache=batch)[:, -1]
+        y = mx.argmax(logits, axis=-1)[:, None]
+        for i, t in enumerate(y[:, 0].tolist()):
+            out[i].append(t)
+    assert out == [toks for _, toks in refs]
+    back = mlxkv.extract_model_row(batch, 1)
+    assert isinstance(back[0], HalfKVCache) and back[0].offset == len(prompts[1]) + 6
+
+    # compiled decode through the family's slot equals the ordinary append
+    from mlxkv.caches.compiled import decode_slot
+
+    a, b = back[0], mlxkv.extract_model_row(batch, 1)[0]
+    k = mx.random.normal((1, 2, 1, 64), key=mx.random.key(3)).astype(mx.bfloat16)
+    slot = decode_slot(a)
+    kw, vw, codes = mx.compile(slot.step)(slot.prefix_keys, slot.prefix_values, k, k)
+    mx.eval(slot.commit(codes))
+    rk, rv = b.update_and_fetch(k, k)
+    assert mx.array_equal(kw, rk).item() and mx.array_equal(vw, rv).item()
+
+
+def test_the_table_refuses_overlapping_families(toy):
+    with pytest.raises(ValueError, match="registered already"):
+        mlxkv.register_family(TOY)
+    with pytest.raises(ValueError, match="overlaps"):
+        mlxkv.register_family(mlxkv.Family("kv:toy-half", "other", HalfKVCache, HalfCodec()))
+
+
+def test_unregistered_family_is_unknown_again(models, tmp_path):
+    mlxkv.register_family(TOY)
+    model = models("llama")
+    caches = mlxkv.make_cache(model, "toy-half")
+    run(model, caches, prompt(5))
+    path = str(tmp_path / "toy.safetensors")
+    mlxkv.save(path, caches, prompt(5))
+    mlxkv.unregister_family("toy-half")
+    with pytest.raises(mlxkv.UnknownKindError, match="toy-half"):
+        mlxkv.load(path)
+    with pytest.raises(mlxkv.SchemeError):
+        mlxkv.make_cache(model, "toy-half")
+
+
+# -- every registered family: the record and the codec agree -------------------------------
+
+SAMPLES = {
+    "kv": ("llama", "bf16", {}),
+    "qkv": ("llama", "kv4", {}),
+    "rotating": ("gemma3", "bf16", {}),
+    "rotating-qkv": ("llama", "kv8-g32", {"max_kv_size": 8}),
+    "ssm": ("hybrid", "bf16", {}),
+    "turboquant": ("llama", "turbo-k8v3", {}),
+    "tova": ("llama", "tova-b8-s2", {}),
+    "qfilters": ("llama", "qfilters-b8-s2-r2", {"calib_tokens": 4}),
+}
+
+
+@pytest.mark.parametrize("persisted", list(SAMPLES))
+def test_record_fields_are_what_the_codec_writes(persisted, models):
+    arch, scheme, options = SAMPLES[persisted]
+    model = models(arch)
+    caches = mlxkv.make_cache(model, scheme, **options)
+    run(model, caches, prompt(12))
+    run(model, caches, prompt(1))  # a bf16-first cache converts on this append
+    family = family_of_persisted(persisted)
+    cache = next(c for c in caches if family_of_kind(c.kind) is family)
+    cache = getattr(cache, "inner", cache)
+    fields, slots = family.codec.encode(cache)
+    assert list(fields) == list(family.fields)
+    assert isinstance(cache, family.cache)
+    assert all(isinstance(a, mx.array) for _, a in slots)
+    assert np.all([name for name, _ in slots])

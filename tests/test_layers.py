@@ -1,0 +1,81 @@
+"""Imports only go down the layers (README "Layout"): every ``import`` in the package,
+including the ones inside functions, names a module of the same layer or a lower one."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mlxkv"
+
+# lowest first; a module belongs to the first entry its dotted name starts with
+LAYERS = [
+    ("foundation", ("mlxkv.errors", "mlxkv.checks", "mlxkv.families")),
+    ("math", ("mlxkv.math",)),
+    ("live caches", ("mlxkv.caches",)),
+    ("batched layouts", ("mlxkv.batched",)),
+    ("codecs", ("mlxkv.codecs",)),
+    ("file I/O", ("mlxkv.io",)),
+    ("state", ("mlxkv.state",)),
+    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.seeded", "mlxkv")),
+]
+
+
+def layer_of(module: str) -> int:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path):
+    """(line, imported module) for every import of an mlxkv module in ``path``."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "mlxkv":
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "mlxkv":
+                continue
+            for alias in node.names:  # `from ..math import turboquant` imports mlxkv.math.turboquant
+                sub = f"{target}.{alias.name}"
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists()
+                yield node.lineno, sub if is_module else target
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[module_name(p) for p in MODULES])
+def test_imports_only_go_down(path):
+    importer = module_name(path)
+    rank = layer_of(importer)
+    upward = [
+        f"line {line}: {target} ({LAYERS[layer_of(target)][0]})"
+        for line, target in imports_of(path)
+        if layer_of(target) > rank
+    ]
+    assert not upward, f"{importer} ({LAYERS[rank][0]}) imports upward: " + "; ".join(upward)
+
+
+def test_the_walk_sees_relative_and_function_level_imports(tmp_path):
+    """The checker itself: an upward import inside a function is found."""
+    found = {t: n for n, t in imports_of(PACKAGE / "caches" / "base.py")}
+    assert "mlxkv.caches.rows" in found  # `from .rows import merge_rows`, inside a method
+    assert layer_of("mlxkv.state.snapshot") > layer_of("mlxkv.caches.base")
