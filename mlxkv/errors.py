@@ -6,7 +6,7 @@ class MLXKVError(Exception):
 
 
 class UnknownKindError(MLXKVError):
-    """A cache kind (or persisted kind) that no registry entry handles."""
+    """A cache kind (or persisted kind) that no family of the kind table handles."""
 
     def __init__(self, kind, where: str = "", known=()):
         self.kind = kind

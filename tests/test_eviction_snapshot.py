@@ -1,6 +1,6 @@
 """Eviction caches through snapshots: save at any point, load, continue exactly.
 
-Persisted kinds ``tova`` and ``qfilters`` with the slots of DESIGN section 3 (the contract
+Persisted kinds ``tova`` and ``qfilters`` with the slots of docs/format.md (the contract
 docs/format.md and the TypeScript reader follow).
 """
 

@@ -1,4 +1,4 @@
-"""Prefix-reuse rules of DESIGN section 5, on real caches."""
+"""Prefix-reuse rules (docs/caches.md), on real caches."""
 
 import mlx.core as mx
 import pytest

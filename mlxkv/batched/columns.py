@@ -1,4 +1,4 @@
-"""Column arithmetic shared by the batched row layouts (DESIGN section 8).
+"""Column arithmetic shared by the batched row layouts (docs/batched.md).
 
 A batched attention cache stores ``[B, H, T, X]`` arrays whose rows are right-aligned:
 row ``b`` holds its stored positions, in temporal order, in the columns

@@ -1,4 +1,4 @@
-"""Named reads: the decode, window and block reads of DESIGN section 2.
+"""Named reads: the decode, window and block reads of the cache contract (docs/caches.md).
 
 Each returns an :class:`AttentionRead` whose ``attend(q, scale)`` runs attention over exactly
 the positions that read may see. Which read it is comes from the method name, never from L.

@@ -1,6 +1,6 @@
 """``TurboQuantKVCache`` (``kv:turboquant:<kBits>:<vBits>``): encoded at rest, decoded to read.
 
-Storage is the five arrays of the vLLM-Metal reference encode (``codecs/turboquant_math``):
+Storage is the five arrays of the vLLM-Metal reference encode (``mlxkv.math.turboquant``):
 ``kIdx`` (int8 at kBits 8, else bit-packed uint8), ``kScales``/``kZeros`` (float16 per
 32-group), ``vPacked`` (bit-packed uint8), ``vScales`` (float16 per 32-group), each
 ``[B, H, capacity, width]``, grown in 256-row steps. An append encodes only the new tokens.
@@ -14,7 +14,7 @@ Reads:
   un-rotates the attention output once, O(L d log d) instead of O(T d log d). Valid because
   attention is linear in V and the rotation is the same for every position and head.
 
-Compiled decode is a concat slot (DESIGN section 6): ``prepare_decode_step()`` decodes the
+Compiled decode is a concat slot (docs/turboquant.md): ``prepare_decode_step()`` decodes the
 stored prefix outside the compiled graph; ``slot.step`` is a pure function (compile it with
 ``mx.compile``) that encodes the new position, decodes it from its codes and joins it to the
 prefix; ``commit_decode_step(codes)`` packs and stores the codes after the step. Decoding is

@@ -102,7 +102,7 @@ _SYNC_FILE_RANGE = _sync_file_range()
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Have the kernel start writing ``nbytes`` at ``offset`` to the disk now, without
     waiting, so the device works while the next tensors are produced and the final fsync
-    finds little left (256 MiB: median save 143 ms instead of 172 ms on the benchmark VM)."""
+    finds little left."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:  # (0 would mean "to the end of the file")
         _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; advice only: no check
 
@@ -112,8 +112,8 @@ def _release_cached_pages(path: str) -> None:
 
     Its cached pages are garbage once the replacement lands; released first, they are what
     the new file's pages are taken from, instead of pages the system must find afresh while
-    the old copy is still cached. On the benchmark VM that avoided 4 in 20 saves of 256 MiB
-    taking 3.5x as long (535-630 ms against 150-200 ms).
+    the old copy is still cached (docs/sessions.md has what that changed on the benchmark
+    machine).
     """
     if not hasattr(os, "posix_fadvise"):  # pragma: no cover - macOS
         return

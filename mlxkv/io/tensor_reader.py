@@ -21,7 +21,7 @@ from .safetensors import DTYPES, SafetensorsHeader, TensorInfo, crc32, crc32_com
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
 _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads
-_CHUNK = 512 << 10  # read, then checksum while still in cache (measured best of 64 KiB-8 MiB)
+_CHUNK = 512 << 10  # read, then checksum while still in cache (docs/sessions.md, snapshot I/O)
 _PARALLEL = crc32_combine is not None and hasattr(os, "preadv")
 
 Piece = tuple[memoryview, int]  # destination, file offset

@@ -1,7 +1,7 @@
 """Little-endian bitstream packing of small unsigned codes along the last axis.
 
 Element ``i`` of a row occupies bits ``[i*b, i*b + b)`` of the row's bitstream, and bit
-``k`` of the stream is bit ``k % 8`` of byte ``k // 8`` (DESIGN section 6). Examples:
+``k`` of the stream is bit ``k % 8`` of byte ``k // 8`` (docs/format.md, TurboQuant). Examples:
 2-bit ``[0, 1, 2, 3] -> [0xE4]``; 3-bit ``[1..7, 0] -> [209, 88, 31]``;
 5-bit ``[1..8] -> [65, 12, 82, 204, 65]``.
 

@@ -14,8 +14,9 @@ def position_rows(B: int, H: int, start: int, n: int) -> mx.array:
 def gather_rows(a: mx.array, idx: mx.array) -> mx.array:
     """Rows ``idx`` [B, H, K] of ``a`` [B, H, R, ...] -> [B, H, K, ...] per (batch, head).
 
-    One ``take`` of whole rows from the flattened [B*H*R, ...] array: on CPU several times
-    faster than ``take_along_axis`` with an index broadcast over the head dimension."""
+    One ``take`` of whole rows from the flattened [B*H*R, ...] array rather than
+    ``take_along_axis`` with an index broadcast over the head dimension (docs/tova.md has
+    the timings)."""
     B, H, R = a.shape[:3]
     base = (mx.arange(B * H, dtype=mx.int32) * R).reshape(B, H, 1)
     flat = mx.take(a.reshape(B * H * R, *a.shape[3:]), (base + idx).reshape(-1), axis=0)

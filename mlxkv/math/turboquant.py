@@ -1,4 +1,4 @@
-"""TurboQuant encode and decode: bit-compatible with the vLLM-Metal reference (DESIGN section 6).
+"""TurboQuant encode and decode: bit-compatible with the vLLM-Metal reference (docs/turboquant.md).
 
 Pure array math, no cache and no file. Group size 32 along head_dim; inputs of any float
 dtype are computed in float32.
@@ -185,9 +185,8 @@ def count_below(y: mx.array, boundaries) -> mx.array:
     """Number of ``boundaries`` (an array or a sequence of float32 values) strictly below
     ``y``, as uint8; NaN counts 0, as in the reference's ``(y[..., None] > b).sum(-1)``.
 
-    One comparison per boundary against its exact float32 value, accumulated: on the CPU
-    backend this is several times faster than a gather-based binary search and needs no
-    ``[..., 2^b - 1]`` intermediate.
+    One comparison per boundary against its exact float32 value, accumulated: no gather and
+    no ``[..., 2^b - 1]`` intermediate.
     """
     values = boundaries.tolist() if isinstance(boundaries, mx.array) else boundaries
     count = (y > values[0]).astype(mx.uint8)

@@ -1,4 +1,4 @@
-"""Trim and prefix-reuse rules (DESIGN section 5).
+"""Trim and prefix-reuse rules (docs/caches.md, "Trim and reuse").
 
 A stored entry (caches + the tokens they encode) can serve a new prompt from position
 ``p = min(common_prefix, len(prompt) - 1)``: at least one prompt token is always forwarded so
