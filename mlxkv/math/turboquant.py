@@ -37,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..checks import is_int
 from ..errors import CacheConfigError, MLXKVError
 from . import bitpack
 
@@ -52,14 +53,14 @@ CONSTANTS_FILE = Path(__file__).with_name("turboquant_constants.json")
 
 
 def check_bits(k_bits, v_bits) -> None:
-    if k_bits not in K_BITS or isinstance(k_bits, bool):
+    if not is_int(k_bits) or k_bits not in K_BITS:
         raise CacheConfigError(f"TurboQuant kBits must be one of {K_BITS}, got {k_bits!r}")
-    if v_bits not in V_BITS or isinstance(v_bits, bool):
+    if not is_int(v_bits) or v_bits not in V_BITS:
         raise CacheConfigError(f"TurboQuant vBits must be one of {V_BITS}, got {v_bits!r}")
 
 
 def check_head_dim(head_dim) -> None:
-    if head_dim not in HEAD_DIMS or isinstance(head_dim, bool):
+    if not is_int(head_dim) or head_dim not in HEAD_DIMS:
         raise CacheConfigError(f"TurboQuant supports head_dim in {HEAD_DIMS} (the FWHT sign tables), got {head_dim!r}")
 
 

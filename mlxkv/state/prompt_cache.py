@@ -30,6 +30,7 @@ from ..caches.masks import ForwardMasks
 from ..caches.plain import KVCache
 from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache
+from ..checks import is_count, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
 from ..io.safetensors import read_safetensors_header
 from ..io.tensor_reader import TensorReader
@@ -235,7 +236,7 @@ def _tokens_from_metadata(path, meta) -> list[int] | None:
         tokens = json.loads(text)
     except ValueError:
         tokens = None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not is_int_list(tokens):
         raise CorruptSnapshotError(f"{path}: metadata {TOKENS_METADATA_KEY!r} must be a JSON list of token ids")
     return tokens
 
@@ -286,7 +287,7 @@ def read_prompt_cache(path: str, tokens: Sequence[int] | None = None) -> PromptC
             else:
                 values[rest] = arrays.pop(name)
         for p in SCALAR_PATHS[cls]:
-            if not isinstance(values[p], int) or isinstance(values[p], bool) or values[p] < 0:
+            if not is_count(values[p]):
                 raise CorruptSnapshotError(f"{ctx.where}: state entry {p} must be a non-negative integer")
         cache = CONVERTERS[cls](values, ctx)
         cache.masks = masks
@@ -331,7 +332,7 @@ def parse_tokens(text: str) -> list[int]:
             values = [int(t) for t in re.split(r"[,\s]+", text) if t]
     except ValueError:
         values = None
-    if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
+    if not is_int_list(values):
         raise MLXKVError("tokens must be integers: '1,2,3', '1 2 3', a JSON list, or @file with those")
     return values
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..caches.qfilters_calibration import CALIBRATION_VERSION, QFiltersCalibration
+from ..checks import is_int
 from ..errors import (
     CorruptSnapshotError,
     FormatVersionError,
@@ -78,7 +79,7 @@ def _parse(path: str, st) -> dict:
     except ValueError as e:
         raise CorruptSnapshotError(f"{path}: damaged calibration metadata ({e})") from None
     version = meta.get("version") if isinstance(meta, dict) else None
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not is_int(version):
         raise CorruptSnapshotError(f"{path}: calibration version missing or not an integer")
     if version != CALIBRATION_VERSION:
         raise FormatVersionError(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..caches.schemes import make_cache
+from ..checks import is_int, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, SnapshotError
 from .identity import model_identity
 from .snapshot import load, save
@@ -243,10 +244,6 @@ class Session:
         )
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_checkpoint(path: str, header: dict) -> None:
     """Validate ``generationCheckpoint`` before any tensor is read."""
     cp = header.get(CHECKPOINT_KEY)
@@ -260,16 +257,16 @@ def _check_checkpoint(path: str, header: dict) -> None:
         raise CorruptSnapshotError(f"{where} must be an object")
     for name in ("promptTokens", "generatedTokens"):
         seq = cp.get(name)
-        if not isinstance(seq, list) or not all(_is_int(t) for t in seq):
+        if not is_int_list(seq):
             raise CorruptSnapshotError(f"{where}.{name} must be a list of integers")
     if not cp["promptTokens"]:
         raise CorruptSnapshotError(f"{where}.promptTokens is empty")
     if cp["promptTokens"] + cp["generatedTokens"] != header.get("tokens"):
         raise CorruptSnapshotError(f"{where}: promptTokens + generatedTokens differ from the tokens the caches cover")
     for name in ("pendingToken", "seed"):
-        if not _is_int(cp.get(name)):
+        if not is_int(cp.get(name)):
             raise CorruptSnapshotError(f"{where}.{name} must be an integer, got {cp.get(name)!r}")
     key = cp.get("key")
-    if not (isinstance(key, list) and len(key) == 2 and all(_is_int(w) and 0 <= w < 2**32 for w in key)):
+    if not (isinstance(key, list) and len(key) == 2 and all(is_int(w) and 0 <= w < 2**32 for w in key)):
         raise CorruptSnapshotError(f"{where}.key must be two uint32 words, got {key!r}")
     Sampler.from_header(cp.get("sampler"))

@@ -16,6 +16,7 @@ import mlx.core as mx
 from ..caches.masks import ForwardMasks
 from ..caches.schemes import scheme_for_pending
 from ..caches.transition import Bf16FirstCache
+from ..checks import is_int
 from ..errors import (
     CorruptSnapshotError,
     EmptyCacheError,
@@ -171,7 +172,7 @@ def _parse(st: SafetensorsHeader) -> dict:
     if not isinstance(header, dict):
         raise CorruptSnapshotError(f"{path}: damaged snapshot header: not an object")
     version = header.get("formatVersion")
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not is_int(version):
         raise CorruptSnapshotError(f"{path}: formatVersion missing or not an integer")
     if version > FORMAT_VERSION or version < 1:
         raise FormatVersionError(
