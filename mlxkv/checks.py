@@ -17,6 +17,15 @@ def is_count(value: Any) -> bool:
     return is_int(value) and value >= 0
 
 
+#: the largest count, position, size or token id a snapshot holds (MLX shapes are int32)
+INT32_MAX = 2**31 - 1
+
+
+def is_count32(value: Any) -> bool:
+    """An integer in 0 .. INT32_MAX that is not a bool."""
+    return is_int(value) and 0 <= value <= INT32_MAX
+
+
 def is_int_list(value: Any) -> bool:
     """A list whose every element is an integer (not a bool)."""
     return isinstance(value, list) and all(is_int(v) for v in value)

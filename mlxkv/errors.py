@@ -54,3 +54,8 @@ class SnapshotWriteError(SnapshotError, OSError):
 
 class EmptyCacheError(SnapshotError):
     """Asked to snapshot caches that hold no tokens."""
+
+
+class UnknownSnapshotKindError(UnknownKindError, SnapshotError):
+    """A snapshot whose header names a persisted kind no family handles: both an
+    :class:`UnknownKindError` and, as every refusal of a file, a :class:`SnapshotError`."""

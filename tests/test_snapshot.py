@@ -280,7 +280,7 @@ def test_save_killed_mid_write_leaves_the_previous_snapshot(saved):
     assert open(path, "rb").read() == before
     assert mlxkv.load(path).tokens == saved[3]
     leftovers = [f for f in os.listdir(os.path.dirname(path)) if f != os.path.basename(path)]
-    assert all(f.endswith(".tmp") and f.startswith(".") for f in leftovers)
+    assert all(f.startswith(".s.safetensors.mlxkv-tmp.") for f in leftovers)
 
 
 def test_peak_extra_memory_saving_one_tensor_loading_none(tmp_path):
@@ -331,10 +331,14 @@ def test_slots_of_the_wrong_rank_are_refused(saved):
         mlxkv.load(path)
 
 
-def test_identity_helpers_hash_the_config_not_the_module(models):
-    from mlxkv.state.identity import config_fingerprint, model_identity
+def test_identity_is_derived_from_config_and_weights(models):
+    from mlxkv.seeded import build_model
+    from mlxkv.state.identity import canonical_config, model_fingerprint, model_identity
 
     llama = models("llama")
-    assert config_fingerprint(llama) == config_fingerprint(llama.mlxkv_config)
-    assert config_fingerprint(llama) != config_fingerprint(models("llama", num_hidden_layers=3))
-    assert model_identity(llama) == {"model_id": "seeded/llama@0", "config_fingerprint": config_fingerprint(llama)}
+    assert model_fingerprint(llama) == model_fingerprint(models("llama"))  # cached, and stable
+    assert model_fingerprint(llama) != model_fingerprint(models("llama", num_hidden_layers=3))
+    other_weights = build_model("llama", seed=1)  # same architecture and config
+    assert canonical_config(other_weights) == canonical_config(llama)
+    assert model_fingerprint(other_weights) != model_fingerprint(llama)
+    assert model_identity(llama) == {"model_id": "seeded/llama@0", "config_fingerprint": model_fingerprint(llama)}

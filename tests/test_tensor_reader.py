@@ -8,7 +8,7 @@ import pytest
 
 from mlxkv.errors import CorruptSnapshotError, SnapshotError
 from mlxkv.io import tensor_reader
-from mlxkv.io.safetensors import read_safetensors_header, write_atomic
+from mlxkv.io.safetensors import SafetensorsFile, read_safetensors_header, write_atomic
 from mlxkv.io.tensor_reader import TensorReader
 
 
@@ -106,11 +106,21 @@ def test_single_thread_read_without_preadv_gives_the_same_arrays(stored, monkeyp
 
 def test_a_file_cut_short_after_its_header_was_checked(stored):
     path, _, crcs = stored
+    with SafetensorsFile(path) as file:
+        with open(path, "r+b") as f:
+            f.truncate(file.header.file_size - 100)
+        reader = TensorReader(file)
+        with pytest.raises(CorruptSnapshotError, match="truncated while loading"):
+            reader.read_all([(n, crcs[n], None) for n in crcs])
+
+
+def test_a_header_alone_refuses_a_file_replaced_since(stored, tmp_path):
+    path, _, crcs = stored
     st = read_safetensors_header(path)
-    with open(path, "r+b") as f:
-        f.truncate(st.file_size - 100)
-    with TensorReader(st) as reader, pytest.raises(CorruptSnapshotError, match="truncated while loading"):
-        reader.read_all([(n, crcs[n], None) for n in crcs])
+    os.replace(path, str(tmp_path / "elsewhere"))
+    write_atomic(path, tensors(), lambda c: {"crc": "x"}, fsync=False)  # same bytes, another file
+    with pytest.raises(SnapshotError, match="changed since its header was read"):
+        TensorReader(st)
 
 
 def test_an_io_error_is_ours(stored, monkeypatch):

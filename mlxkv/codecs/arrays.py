@@ -1,22 +1,32 @@
 """``ssm``: one slot per recurrent state array, named by its index; absent arrays are absent."""
 
+import re
+
 from ..caches.arrays import ArraysCache
-from ..errors import CorruptSnapshotError
+from ..errors import CorruptSnapshotError, SnapshotError
 from .base import Codec
+
+#: state arrays one ``ssm`` entry holds at most (mlx-lm's recurrent layers use 1 or 2)
+MAX_SIZE = 256
+_INDEX = re.compile(r"0|[1-9][0-9]{0,2}")  # decimal, no sign, no leading zero
 
 
 class ArraysCodec(Codec):
+    positional = False
+
     def encode(self, cache):
+        if len(cache.cache) > MAX_SIZE:
+            raise SnapshotError(f"an ssm cache of {len(cache.cache)} arrays cannot be stored (at most {MAX_SIZE})")
         slots = [(str(i), a) for i, a in enumerate(cache.cache) if a is not None]
         return {"offset": cache.offset, "size": len(cache.cache)}, slots
 
     def check(self, entry, shapes):
-        names = list(shapes)
-        idx = [int(n) if n.isdigit() else -1 for n in names]
-        if any(i < 0 or i >= entry["size"] for i in idx) or idx != sorted(set(idx)):
-            raise CorruptSnapshotError(
-                f"ssm entry: slots {names} are not increasing indices below size={entry['size']}"
-            )
+        size, names = entry["size"], list(shapes)
+        if size > MAX_SIZE:
+            raise CorruptSnapshotError(f"ssm entry: size={size} exceeds the {MAX_SIZE} state arrays an entry may hold")
+        idx = [int(n) if _INDEX.fullmatch(n) else -1 for n in names]
+        if any(i < 0 or i >= size for i in idx) or idx != sorted(set(idx)):
+            raise CorruptSnapshotError(f"ssm entry: slots {names} are not increasing indices below size={size}")
 
     def decode(self, entry, t):
         arrays = [t.get(str(i)) for i in range(entry["size"])]

@@ -11,12 +11,12 @@ from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 
-from ..checks import is_count, is_int
+from ..checks import INT32_MAX, is_count32, is_int
 from ..errors import CorruptSnapshotError
 from ..families import COUNT, FLAG, SIGN
 
 _FIELD_RULES = {
-    COUNT: (is_count, "an integer >= 0"),
+    COUNT: (is_count32, f"an integer in 0..{INT32_MAX}"),
     SIGN: (lambda v: is_int(v) and v in (1, -1), "+1 or -1"),
     FLAG: (lambda v: isinstance(v, bool), "a JSON bool"),
 }
@@ -29,11 +29,15 @@ def check_fields(entry: dict, fields: Mapping[str, str]) -> None:
         ok, what = _FIELD_RULES[kind]
         if not ok(entry.get(name)):
             raise CorruptSnapshotError(
-                f"{entry.get('kind')!s} entry: field {name!r} must be {what}, got {entry.get(name)!r}"
+                f"{entry.get('kind')!s} entry: field {name!r} must be {what}, got {str(entry.get(name))[:40]}"
             )
 
 
 class Codec:
+    #: the entry's ``offset`` counts the snapshot's tokens (every attention kind); recurrent
+    #: state advances by what its model reports, so its codec says False
+    positional: bool = True
+
     def encode(self, cache) -> tuple[dict, list[tuple[str, mx.array]]]:
         """Header fields (besides kind, tensors and minimumReusableOffset) and the
         (slot name, array) pairs in slot order."""

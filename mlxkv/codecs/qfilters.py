@@ -11,7 +11,7 @@ filter, T == min(offset, budget); without, T == offset < calibTokens.
 from ..caches.qfilters import QFiltersKVCache
 from ..errors import CorruptSnapshotError
 from .base import Codec, expect_slots
-from .tova import check_budget_fields, check_rows, slot_dtypes
+from .tova import check_budget_fields, check_positions, check_rows, slot_dtypes
 
 SLOTS = ("keys", "values", "positions", "scores", "filter")
 
@@ -72,6 +72,7 @@ class QFiltersCodec(Codec):
                 )
 
     def decode(self, entry, t):
+        check_positions(entry, t["positions"])
         cache = QFiltersKVCache(entry["budget"], entry["nSink"], entry["recent"], entry["sign"], entry["calibTokens"])
         return cache.adopt(
             t["keys"],

@@ -6,6 +6,8 @@ every kept row, ascending per (batch, head)). TOVA holds at most ``budget`` rows
 step, so T == min(offset, budget). Restores position-exact.
 """
 
+import mlx.core as mx
+
 from ..caches.tova import TOVAKVCache
 from ..errors import CorruptSnapshotError
 from .base import Codec, expect_slots, same_prefix
@@ -48,6 +50,26 @@ def check_budget_fields(entry: dict):
         )
 
 
+def check_positions(entry: dict, positions: mx.array) -> None:
+    """The data rules of kept positions (read after their checksum passed): along T each
+    head's positions strictly increase, all lie in 0 .. offset-1, and the first
+    min(nSink, T) are 0, 1, ...: the sinks."""
+    rows = positions.shape[2]
+    if rows == 0:
+        return
+    p, sinks = positions, min(entry["nSink"], rows)
+    ok = mx.logical_not(mx.any((p < 0) | (p >= entry["offset"])))
+    if rows > 1:
+        ok = ok & mx.all(p[..., 1:] > p[..., :-1])
+    if sinks:
+        ok = ok & mx.all(p[..., :sinks] == mx.arange(sinks, dtype=p.dtype))
+    if not ok.item():
+        raise CorruptSnapshotError(
+            f"{entry.get('kind')} entry: kept positions are not increasing positions below offset={entry['offset']} "
+            f"starting with the {sinks} sinks"
+        )
+
+
 class TOVACodec(Codec):
     def encode(self, cache):
         fields = {"offset": cache.offset, "budget": cache.budget, "nSink": cache.n_sink}
@@ -64,6 +86,7 @@ class TOVACodec(Codec):
             )
 
     def decode(self, entry, t):
+        check_positions(entry, t["positions"])
         cache = TOVAKVCache(entry["budget"], entry["nSink"])
         return cache.adopt(t["keys"], t["values"], t["positions"], entry["offset"])
 

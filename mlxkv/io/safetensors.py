@@ -4,16 +4,18 @@ Writer: the header's length is fixed before any tensor is written (checksums are
 fixed-width hex), so tensors stream to a temporary file one at a time, their CRC-32 taken
 on the way, and the header is written last; then fsync, rename, fsync of the directory.
 Peak extra memory is one tensor. Header reader: every declared range is checked against
-the file before a byte of tensor data is touched (tensors are read by tensor_reader.py).
+the file, with exact integer arithmetic, before a byte of tensor data is touched; the file
+is opened once and every later read goes through that descriptor (tensor_reader.py).
 """
 
 import contextlib
 import ctypes
 import functools
 import json
+import math
 import os
+import stat
 import struct
-import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +23,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..checks import is_count
 from ..errors import CorruptSnapshotError, SnapshotError, SnapshotWriteError
+from . import strict_json, temporaries
 
 try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD), and can combine two
     from zlib_ng.zlib_ng import crc32, crc32_combine
@@ -45,9 +49,12 @@ DTYPES = {
     "BF16": (mx.bfloat16, np.uint16),  # numpy has no bfloat16: raw 16-bit words
     "F32": (mx.float32, np.float32),
 }
+ITEMSIZE = {name: np.dtype(raw).itemsize for name, (_, raw) in DTYPES.items()}
 _NAME_OF = {m: name for name, (m, _) in DTYPES.items()}
-_RAW_MX = {name: (mx.uint16 if name == "BF16" else m) for name, (m, _) in DTYPES.items()}
-MAX_HEADER = 64 << 20
+MAX_HEADER = 64 << 20  # bytes of header JSON
+MAX_RANK = 8  # dimensions of a tensor
+MAX_DIM = 2**31 - 1  # elements along one dimension (MLX's shapes are int32)
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 CRC_PLACEHOLDER = "00000000"
 
 
@@ -56,6 +63,13 @@ def dtype_name(a: mx.array) -> str:
         return _NAME_OF[a.dtype]
     except KeyError:
         raise SnapshotError(f"arrays of dtype {a.dtype} cannot be stored") from None
+
+
+def check_storable(name: str, a: mx.array) -> None:
+    """Refuse, before anything is written, an array a reader would refuse to read."""
+    dtype_name(a)
+    if a.ndim > MAX_RANK:
+        raise SnapshotError(f"{name}: arrays of {a.ndim} dimensions cannot be stored (at most {MAX_RANK})")
 
 
 def crc32_hex(data) -> str:
@@ -70,12 +84,13 @@ def io_pool() -> ThreadPoolExecutor:
 
 
 def array_buffer(a: mx.array) -> memoryview:
-    """The row-major bytes of ``a`` (one contiguous copy at most)."""
+    """The row-major bytes of ``a`` (one contiguous copy at most), exported as one flat
+    dimension: numpy and the buffer protocol stop at 64 dimensions (MLX does not)."""
     if a.size == 0:
         return memoryview(b"")
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    a = mx.contiguous(a)
+    a = mx.contiguous(a).reshape(-1)
     mx.eval(a)
     return memoryview(np.asarray(a)).cast("B")
 
@@ -118,7 +133,7 @@ def _release_cached_pages(path: str) -> None:
     if not hasattr(os, "posix_fadvise"):  # pragma: no cover - macOS
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return  # nothing there yet (or not ours to read): nothing to release
     try:
@@ -139,10 +154,13 @@ def write_atomic(
     """Write a safetensors file atomically at ``path``; returns name -> crc32 hex.
 
     ``build_metadata(crcs)`` must give a header of the same length for the placeholder
-    checksums and the real ones (fixed-width hex does).
+    checksums and the real ones (fixed-width hex does). The temporary file beside ``path``
+    is locked while it is written (temporaries.py); the stale ones of writers that died in
+    the same directory are removed on the way.
     """
     entries, start = {}, 0
     for name, a in tensors:
+        check_storable(name, a)
         n = a.nbytes
         entries[name] = {"dtype": dtype_name(a), "shape": list(a.shape), "data_offsets": [start, start + n]}
         start += n
@@ -152,12 +170,13 @@ def write_atomic(
     directory = os.path.dirname(os.path.abspath(path))
     _release_cached_pages(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        fd, tmp = temporaries.create(path)
     except OSError as e:
         raise _write_error(path, e, f"cannot create a file in {directory}") from e
+    temporaries.remove_stale(directory)
     try:
         crcs, done = {}, 0
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
             f.seek(8 + len(placeholder))
             for name, a in tensors:
                 buf = array_buffer(a)
@@ -180,7 +199,7 @@ def write_atomic(
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -223,51 +242,59 @@ class SafetensorsHeader:
     tensors: dict[str, TensorInfo]
     data_start: int
     file_size: int
+    #: (st_dev, st_ino, st_size, st_mtime_ns) of the file the header was read from
+    identity: tuple = ()
 
 
-def read_safetensors_header(path: str) -> SafetensorsHeader:
-    """Parse and check the safetensors header of ``path``; reads no tensor bytes."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptSnapshotError(f"{path}: truncated: {size} bytes, not even a header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CorruptSnapshotError(
-                    f"{path}: truncated or damaged: header length {n} does not fit a {size}-byte file"
-                )
-            raw = f.read(n)
-    except OSError as e:
-        raise SnapshotError(f"{path}: cannot read: {e}") from e
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptSnapshotError(f"{path}: damaged header: not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
+def file_identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _shape(value) -> list[int] | None:
+    if type(value) is not list or len(value) > MAX_RANK or not all(is_count(d) and d <= MAX_DIM for d in value):
+        return None
+    return value
+
+
+def parse_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
+    """Check the header bytes ``raw`` (the ``N`` bytes after the length) of a ``file_size``
+    byte file: section 8, steps 3-8, of docs/format.md. Pure: no I/O."""
+    doc = strict_json.loads(raw, f"{path}: header")
+    if type(doc) is not dict:
         raise CorruptSnapshotError(f"{path}: damaged header: not a JSON object")
-    meta = doc.pop("__metadata__", {}) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+    meta = doc.pop("__metadata__", None)
+    if meta is None:  # absent, or null as MLX writes it
+        meta = {}
+    if type(meta) is not dict or not all(type(v) is str for v in meta.values()):
         raise CorruptSnapshotError(f"{path}: damaged header: __metadata__ must map strings to strings")
-    data_start = 8 + n
+    data_start, data_size = 8 + len(raw), file_size - 8 - len(raw)
     tensors, spans = {}, []
     for name, e in doc.items():
-        try:
-            dtype, shape, (b, t) = e["dtype"], [int(s) for s in e["shape"]], e["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CorruptSnapshotError(f"{path}: damaged header entry for tensor {name!r}") from None
-        if dtype not in DTYPES:
-            raise CorruptSnapshotError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        itemsize = np.dtype(DTYPES[dtype][1]).itemsize
-        want = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
-        if any(s < 0 for s in shape) or not (isinstance(b, int) and isinstance(t, int)) or t - b != want or b < 0:
+        if type(e) is not dict or e.keys() != _ENTRY_KEYS:
             raise CorruptSnapshotError(
-                f"{path}: tensor {name!r}: byte range {[b, t]} does not hold shape {shape} of {dtype}"
+                f"{path}: damaged header entry for tensor {name!r}: expected exactly dtype, shape, data_offsets"
             )
-        if data_start + t > size:
+        dtype, shape, offsets = e["dtype"], _shape(e["shape"]), e["data_offsets"]
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise CorruptSnapshotError(f"{path}: tensor {name!r} has unsupported dtype {str(dtype)[:40]!r}")
+        if shape is None:
             raise CorruptSnapshotError(
-                f"{path}: truncated: tensor {name!r} ends at byte {data_start + t} of a {size}-byte file"
+                f"{path}: tensor {name!r}: shape must be a list of at most {MAX_RANK} integers "
+                f"in 0..{MAX_DIM}, got {str(e['shape'])[:80]}"
+            )
+        if type(offsets) is not list or len(offsets) != 2 or not all(is_count(o) for o in offsets):
+            raise CorruptSnapshotError(
+                f"{path}: tensor {name!r}: data_offsets must be two integers >= 0, got {str(offsets)[:80]}"
+            )
+        b, t = offsets
+        want = math.prod(shape) * ITEMSIZE[dtype]  # exact: Python integers do not wrap
+        if t - b != want:
+            raise CorruptSnapshotError(
+                f"{path}: tensor {name!r}: byte range {[b, t]} does not hold shape {shape} of {dtype} ({want} bytes)"
+            )
+        if t > data_size:
+            raise CorruptSnapshotError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + t} of a {file_size}-byte file"
             )
         tensors[name] = TensorInfo(name, dtype, shape, data_start + b, data_start + t)
         spans.append((b, t))
@@ -277,8 +304,78 @@ def read_safetensors_header(path: str) -> SafetensorsHeader:
         if b != pos:
             raise CorruptSnapshotError(f"{path}: damaged header: tensor byte ranges overlap or leave holes")
         pos = t
-    if data_start + pos != size:
+    if pos != data_size:
         raise CorruptSnapshotError(
-            f"{path}: {size - data_start - pos:+d} bytes after the last tensor: truncated or damaged file"
+            f"{path}: {data_size - pos:+d} bytes after the last tensor: truncated or damaged file"
         )
-    return SafetensorsHeader(path, meta, tensors, data_start, size)
+    return SafetensorsHeader(path, meta, tensors, data_start, file_size)
+
+
+def _read_exactly(fd: int, n: int, offset: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        b = os.pread(fd, n - got, offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+class SafetensorsFile:
+    """One open safetensors file: its checked header, and the descriptor every later read
+    goes through. Opened once, it stays the same file however the path is renamed over or
+    removed meanwhile, so a header and the tensors read after it never come from two files."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
+        try:
+            self.header = self._read_header()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _read_header(self) -> SafetensorsHeader:
+        path, fd = self.path, self.fd
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SnapshotError(f"{path}: cannot read: not a regular file")
+            size = st.st_size
+            head = _read_exactly(fd, 8, 0)
+            if len(head) < 8:
+                raise CorruptSnapshotError(f"{path}: truncated: {size} bytes, not even a header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CorruptSnapshotError(
+                    f"{path}: truncated or damaged: header length {n} does not fit a {size}-byte file"
+                )
+            raw = _read_exactly(fd, n, 8)
+        except OSError as e:
+            raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
+        if len(raw) < n:
+            raise CorruptSnapshotError(f"{path}: truncated while reading its header")
+        header = parse_header(raw, size, path)
+        header.identity = file_identity(st)
+        return header
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_safetensors_header(path: str) -> SafetensorsHeader:
+    """Parse and check the safetensors header of ``path``; reads no tensor bytes."""
+    with SafetensorsFile(path) as f:
+        return f.header

@@ -5,24 +5,44 @@ asked for, with the slack rows a growing cache wants added to their shape. MLX a
 each array uninitialized and passes its memory to ``readinto``; the stored bytes are read
 into it with preadv, each half by one of two threads, each chunk checksummed right after it
 arrives. A load is thus one copy out of the page cache per byte, with no fill pass, no
-staging buffer and no memory beyond the arrays themselves.
+staging buffer and no memory beyond the arrays themselves. Every read goes through the one
+descriptor the header was read from (``SafetensorsFile``).
+
+MLX's reader of a Python stream is a C++ object that may be released by one of MLX's I/O
+threads, and its destructor takes the GIL: during interpreter shutdown that thread is killed
+and the process aborts. ``_load`` therefore returns only once that object is gone (a weak
+reference to the stream says so), so no MLX thread touches Python after a load returns.
 """
 
 import io
 import os
 import struct
+import threading
+import weakref
 from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
-from .safetensors import DTYPES, SafetensorsHeader, TensorInfo, crc32, crc32_combine, header_bytes, io_pool
+from .safetensors import (
+    DTYPES,
+    SafetensorsFile,
+    SafetensorsHeader,
+    TensorInfo,
+    crc32,
+    crc32_combine,
+    file_identity,
+    header_bytes,
+    io_pool,
+)
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
 _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads
 _CHUNK = 512 << 10  # read, then checksum while still in cache (docs/sessions.md, snapshot I/O)
 _PARALLEL = crc32_combine is not None and hasattr(os, "preadv")
+_MAX_BLOCKS = 4096  # [B, H] blocks placed one iovec each; more are staged (_fill_staged)
+_RELEASE_TIMEOUT = 60.0  # seconds MLX may take to drop its reader of a finished load
 
 Piece = tuple[memoryview, int]  # destination, file offset
 Request = tuple[str, str | None, int | None]  # name, expected CRC-32 (or None), rows
@@ -111,6 +131,8 @@ class _Target:
 
     def fill(self, fd: int, out: memoryview, at: int):
         """Fill ``out``, the array's bytes from ``at`` on: stored bytes read, slack zeroed."""
+        if self.slack and self.blocks > _MAX_BLOCKS and at == 0 and len(out) == self.nbytes:
+            return self._fill_staged(fd, out)
         stride, end = self.part + self.slack, at + len(out)
         pieces = []
         for i in range(at // stride, (end - 1) // stride + 1):  # iovecs: one per [B, H] block
@@ -121,6 +143,19 @@ class _Target:
             a, z = max(at, blk + self.part), min(end, blk + stride)
             if a < z:
                 np.frombuffer(out[a - at : z - at], dtype=np.uint8)[:] = 0
+        self._read(fd, pieces)
+
+    def _fill_staged(self, fd: int, out: memoryview):
+        """Many short blocks (a crafted file can declare millions): read them in one run
+        into a staging buffer, then place them with one strided copy instead of a Python
+        loop per block."""
+        stored = bytearray(self.blocks * self.part)
+        self._read(fd, [(memoryview(stored), self.info.begin)])
+        grid = np.frombuffer(out, dtype=np.uint8).reshape(self.blocks, self.part + self.slack)
+        grid[:, : self.part] = np.frombuffer(stored, dtype=np.uint8).reshape(self.blocks, self.part)
+        grid[:, self.part :] = 0
+
+    def _read(self, fd: int, pieces: list[Piece]):
         total = sum(len(v) for v, _ in pieces)
         if _PARALLEL and total >= _SPLIT_MIN:
             # the helper reads the second half; waited for here, so no read outlives the call
@@ -198,20 +233,59 @@ class _LoadStream(io.RawIOBase):
                     if self.progress:
                         self.progress(self.done, self.total)
         except Exception as e:  # raised again, as ours, once mx.load returns
-            self.error = e
+            # without its traceback, whose frames hold this stream (see _load)
+            self.error = e.with_traceback(None)
+            self.error.__context__ = None
         self.pos += n
         return n
 
 
-class TensorReader:
-    """Reads tensors of one checked file, verifying CRC-32 when asked."""
+def _load(fd: int, targets: list[_Target], progress) -> tuple[dict[str, mx.array], Exception | None]:
+    """``mx.load`` of the stand-in file for ``targets`` (all non-empty); returns the arrays
+    and the first error ``readinto`` met. Returns only after MLX has released the stream."""
+    released = threading.Event()
+    stream = _LoadStream(fd, targets, progress)
+    watch = weakref.ref(stream, lambda _: released.set())
+    try:
+        arrays = mx.load(stream, format="safetensors")  # fills every array through readinto
+    finally:
+        error, stream.error = stream.error, None
+        del stream
+        # MLX's C++ reader holds the stream; the last owner may be one of MLX's I/O threads,
+        # which releases it, taking the GIL, just after its read. Wait (the GIL released)
+        # until it has: then no MLX thread holds a Python object of this load any more.
+        if watch() is not None and not released.wait(_RELEASE_TIMEOUT):  # pragma: no cover
+            raise SnapshotError(
+                f"MLX still holds the stream of a finished load after {_RELEASE_TIMEOUT:.0f} s: "
+                "this mlx version keeps its readers alive, which mlxkv cannot read with safely"
+            )
+    return arrays, error
 
-    def __init__(self, header: SafetensorsHeader):
-        self.header = header
+
+class TensorReader:
+    """Reads tensors of one checked file, verifying CRC-32 when asked.
+
+    Given a :class:`SafetensorsFile`, it reads through that file's descriptor (the caller
+    closes it). Given a :class:`SafetensorsHeader` alone, it opens the header's path and
+    refuses a file that is not the one the header was read from.
+    """
+
+    def __init__(self, source: SafetensorsFile | SafetensorsHeader):
+        self._own_fd = False
+        if isinstance(source, SafetensorsFile):
+            self.header, self._fd = source.header, source.fd
+            return
+        self.header = source
         try:
-            self._file = open(header.path, "rb")  # noqa: SIM115 - closed by close() / __exit__
+            self._fd = os.open(source.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:  # gone or locked since its header was read
-            raise SnapshotError(f"{header.path}: cannot read: {e}") from e
+            raise SnapshotError(f"{source.path}: cannot read: {e.strerror or e}") from e
+        self._own_fd = True
+        if source.identity and file_identity(os.fstat(self._fd)) != source.identity:
+            self.close()
+            raise SnapshotError(
+                f"{source.path}: the file changed since its header was read (replaced or rewritten): read it again"
+            )
 
     def read_all(
         self, requests: Iterable[Request], progress: Callable[[int, int], None] | None = None
@@ -222,23 +296,26 @@ class TensorReader:
         ``rows`` (rank-4 tensors only) gives a [B, H, rows, D] array whose first T rows
         along axis 2 are the tensor and the rest zeros: the slack a growing cache wants.
         ``progress(done_bytes, total_bytes)`` is called after each tensor, possibly from
-        MLX's loader thread.
+        MLX's loader thread. What the arrays need is checked against the machine's memory
+        before anything is allocated.
         """
         wanted = {name: (crc, rows) for name, crc, rows in requests}  # a name asked twice is read once
         targets = sorted(
             (_Target(self.header.tensors[name], crc, rows) for name, (crc, rows) in wanted.items()),
             key=lambda t: t.info.begin,
         )
-        if not targets:
-            return {}
-        stream = _LoadStream(self._file.fileno(), targets, progress)
-        arrays = mx.load(stream, format="safetensors")  # fills every array through readinto
-        if isinstance(stream.error, OSError):
-            raise SnapshotError(f"{self.header.path}: cannot read: {stream.error}") from stream.error
-        if stream.error is not None:
-            raise stream.error
-        for t in targets:
+        check_allocation(self.header.path, sum(t.nbytes for t in targets))
+        stored = [t for t in targets if t.info.end > t.info.begin]
+        arrays, error = _load(self._fd, stored, progress) if stored else ({}, None)
+        if isinstance(error, OSError):
+            raise SnapshotError(f"{self.header.path}: cannot read: {error}") from error
+        if error is not None:
+            raise error
+        for t in stored:
             t.check(self.header.path)
+        for t in targets:  # nothing stored: MLX is not asked for zero-length reads
+            if t.info.end == t.info.begin:
+                arrays[t.info.name] = mx.zeros(t.shape, DTYPES[t.info.dtype][0])
         return arrays
 
     def read(self, name: str, expected_crc: str | None = None, rows: int | None = None) -> mx.array:
@@ -252,16 +329,38 @@ class TensorReader:
         crc = 0
         for pos in range(info.begin, info.end, _CHUNK):
             view = buf[: min(len(buf), info.end - pos)]
-            crc, got = _read_and_checksum(self._file.fileno(), [(view, pos)], crc)
+            try:
+                crc, got = _read_and_checksum(self._fd, [(view, pos)], crc)
+            except OSError as e:
+                raise SnapshotError(f"{self.header.path}: cannot read: {e}") from e
             if got < len(view):
                 raise CorruptSnapshotError(f"{self.header.path}: truncated while verifying tensor {name!r}")
         return f"{crc & 0xFFFFFFFF:08x}"
 
     def close(self):
-        self._file.close()
+        if self._own_fd:
+            os.close(self._fd)
+            self._own_fd = False
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - exotic systems
+        return None
+
+
+def check_allocation(path: str, nbytes: int) -> None:
+    """Refuse a load whose arrays would not fit this machine's memory, before allocating."""
+    limit = physical_memory()
+    if limit is not None and nbytes > limit:
+        raise SnapshotError(
+            f"{path}: restoring needs {nbytes} bytes of arrays, more than this machine's {limit} bytes of memory"
+        )

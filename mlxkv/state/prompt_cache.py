@@ -21,6 +21,7 @@ their caches cover; see :func:`convert_prompt_cache` for where mlxkv takes them 
 """
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache
 from ..checks import is_count, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
-from ..io.safetensors import read_safetensors_header
+from ..io.safetensors import SafetensorsFile
 from ..io.tensor_reader import TensorReader
 from .snapshot import META_KEY, save
 
@@ -47,7 +48,7 @@ class MissingTokensError(SnapshotError):
     """The tokens a converted snapshot must record are not known."""
 
 
-class UnsupportedPromptCacheClassError(UnknownKindError):
+class UnsupportedPromptCacheClassError(UnknownKindError, SnapshotError):
     """An mlx-lm cache class in a prompt-cache file that mlxkv has no cache for."""
 
     def __init__(self, class_name: str, layer: int, path: str):
@@ -247,7 +248,12 @@ def read_prompt_cache(path: str, tokens: Sequence[int] | None = None) -> PromptC
     ``tokens`` (or the file's ``tokens`` metadata, a JSON list) must have as many entries as
     the caches cover; without either, ``tokens`` is None in the result.
     """
-    st = read_safetensors_header(path)
+    with SafetensorsFile(path) as file:  # one descriptor for the header and every tensor
+        return _read_prompt_cache(file, tokens)
+
+
+def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> PromptCacheFile:
+    path, st = file.path, file.header
     user, classes, scalars = _parse_layout(path, st.metadata)
 
     # Everything about the structure is checked before a tensor is read.
@@ -272,8 +278,7 @@ def read_prompt_cache(path: str, tokens: Sequence[int] | None = None) -> PromptC
                 raise CorruptSnapshotError(f"{path}: layer {i} ({cls}) state entry {p} is not a scalar")
 
     caches, masks, found_scalars = [], ForwardMasks(), {}
-    with TensorReader(st) as reader:
-        arrays = reader.read_all((name, None, None) for name in st.tensors)  # one pass over the file
+    arrays = TensorReader(file).read_all((name, None, None) for name in st.tensors)  # one pass over the file
     for i, cls in enumerate(classes):
         ctx = _LayerContext(path, i, cls, per_layer[i])
         values = {}
@@ -337,6 +342,13 @@ def parse_tokens(text: str) -> list[int]:
     return values
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return False
+
+
 def convert_prompt_cache(
     src: str,
     dst: str,
@@ -353,6 +365,11 @@ def convert_prompt_cache(
     config_fingerprint, tokenizer_hash, ns) goes to the header; ``model_id`` defaults to
     the ``model`` entry ``mlx_lm.cache_prompt`` writes. Returns the snapshot header.
     """
+    if _same_file(src, dst):
+        raise SnapshotError(
+            f"{dst}: is the file being converted ({src}): writing there would replace the source; "
+            "choose another destination"
+        )
     pc = read_prompt_cache(src, tokens)
     if pc.tokens is None:
         raise MissingTokensError(

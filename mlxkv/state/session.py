@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..caches.schemes import make_cache
-from ..checks import is_int, is_int_list
+from ..checks import is_count32, is_int, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, SnapshotError
-from .identity import model_identity
 from .snapshot import load, save
 
 CHECKPOINT_KEY = "generationCheckpoint"
@@ -204,33 +203,39 @@ class Session:
     def save(self, path: str, progress=None, fsync: bool = True, **identity) -> dict:
         """Write caches, tokens and the generation checkpoint to ``path``; returns the header.
 
-        ``identity`` (model_id, config_fingerprint, tokenizer_hash, ns) defaults to what
-        mlxkv can derive from the model (its id and config fingerprint)."""
-        ident = {**model_identity(self.model), **identity}
+        The snapshot records the model's identity (``mlxkv.state.identity``: its id and
+        fingerprint); ``identity`` (model_id, config_fingerprint, tokenizer_hash, ns)
+        overrides or adds fields."""
         return save(
             path,
             self.caches,
             self.tokens,
+            model=self.model,
             generation_checkpoint=self.checkpoint(),
             progress=progress,
             fsync=fsync,
-            **ident,
+            **identity,
         )
 
     @classmethod
-    def restore(cls, path: str, model, progress=None, verify: bool = True, **expect) -> "Session":
+    def restore(
+        cls, path: str, model, progress=None, verify: bool = True, allow_other_model: bool = False, **expect
+    ) -> "Session":
         """Resume the session saved at ``path`` on ``model``.
 
-        The snapshot is checked against the model's layer count and head geometry, and
-        against its config fingerprint when the snapshot records one; ``expect`` adds or
-        overrides identity expectations (model_id, tokenizer_hash, ns, ...)."""
-        from .snapshot import read_header
-
-        header = read_header(path)
-        _check_checkpoint(path, header)
-        if header.get("configFingerprint") and "config_fingerprint" not in expect:
-            expect["config_fingerprint"] = model_identity(model)["config_fingerprint"]
-        snap = load(path, model=model, verify=verify, progress=progress, **expect)
+        The snapshot must have been computed by ``model`` (its recorded fingerprint, unless
+        ``allow_other_model``) and match its layer count and head geometry; ``expect`` adds
+        identity expectations (model_id, tokenizer_hash, ns, ...). The checkpoint is checked
+        before any tensor is read, and header and tensors come from one open file."""
+        snap = load(
+            path,
+            model=model,
+            verify=verify,
+            progress=progress,
+            allow_other_model=allow_other_model,
+            check=_check_checkpoint,
+            **expect,
+        )
         cp = snap.header[CHECKPOINT_KEY]
         return cls(
             model,
@@ -263,10 +268,11 @@ def _check_checkpoint(path: str, header: dict) -> None:
         raise CorruptSnapshotError(f"{where}.promptTokens is empty")
     if cp["promptTokens"] + cp["generatedTokens"] != header.get("tokens"):
         raise CorruptSnapshotError(f"{where}: promptTokens + generatedTokens differ from the tokens the caches cover")
-    for name in ("pendingToken", "seed"):
-        if not is_int(cp.get(name)):
-            raise CorruptSnapshotError(f"{where}.{name} must be an integer, got {cp.get(name)!r}")
+    if not is_count32(cp.get("pendingToken")):
+        raise CorruptSnapshotError(f"{where}.pendingToken must be a token id, got {str(cp.get('pendingToken'))[:40]}")
+    if not is_int(cp.get("seed")):
+        raise CorruptSnapshotError(f"{where}.seed must be an integer, got {str(cp.get('seed'))[:40]}")
     key = cp.get("key")
     if not (isinstance(key, list) and len(key) == 2 and all(is_int(w) and 0 <= w < 2**32 for w in key)):
-        raise CorruptSnapshotError(f"{where}.key must be two uint32 words, got {key!r}")
+        raise CorruptSnapshotError(f"{where}.key must be two uint32 words, got {str(key)[:80]}")
     Sampler.from_header(cp.get("sampler"))

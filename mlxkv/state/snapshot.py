@@ -1,9 +1,10 @@
 """Snapshots: every cache of a model in one safetensors file (docs/format.md).
 
 ``save`` encodes each cache through its kind's codec and streams the tensors to an atomic
-write; ``load`` checks the whole header (version, provider, kinds, identity, geometry, slot
-shapes, byte ranges) before a single tensor is read, then reads one tensor at a time and
-verifies its CRC-32. ``read_header`` is the check without tensor I/O.
+write; ``load`` opens the file once, checks the whole header (header.py: version,
+provider, kinds, fields, slot shapes, byte ranges; then the model's identity and
+geometry) before a single tensor is read, and reads every tensor through that one
+descriptor, verifying its CRC-32. ``read_header`` is the check without tensor I/O.
 """
 
 import json
@@ -16,32 +17,36 @@ import mlx.core as mx
 from ..caches.masks import ForwardMasks
 from ..caches.schemes import scheme_for_pending
 from ..caches.transition import Bf16FirstCache
-from ..checks import is_int
 from ..errors import (
     CorruptSnapshotError,
     EmptyCacheError,
-    FormatVersionError,
     GeometryMismatchError,
     IdentityMismatchError,
+    MLXKVError,
     SnapshotError,
 )
 from ..families import family_of_kind, family_of_persisted, kind_of
 from ..io.safetensors import (
+    CRC_PLACEHOLDER,
+    SafetensorsFile,
     SafetensorsHeader,
+    TensorInfo,
+    check_storable,
     crc32_hex,
     dtype_name,
-    read_safetensors_header,
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
-from .identity import IDENTITY_FIELDS, model_geometry
-from .kinds import check_entry, is_recurrent_cache
-
-FORMAT_VERSION = 1
-CODEC_PROVIDER = "mlxkv"
-ACCEPTED_PROVIDERS = ("mlxkv", "mlx-bun")
-META_KEY = "mlxkv"
-META_CRC_KEY = "mlxkv.crc32"
+from .header import (  # noqa: F401 - the header constants are part of this module's interface
+    ACCEPTED_PROVIDERS,
+    CODEC_PROVIDER,
+    FORMAT_VERSION,
+    META_CRC_KEY,
+    META_KEY,
+    check_header,
+)
+from .identity import IDENTITY_FIELDS, model_fingerprint, model_geometry, model_identity
+from .kinds import is_recurrent_cache
 
 
 @dataclass
@@ -90,15 +95,48 @@ def _encode_all(caches, tokens):
     return entries, tensors
 
 
+def _identity(model, given: dict) -> dict:
+    """The identity fields to record: what is given, else what the model gives, else ""."""
+    derived = model_identity(model) if model is not None else {}
+    out = {}
+    for key in IDENTITY_FIELDS:
+        value = given.get(key)
+        value = derived.get(key, "") if value is None else value
+        if not isinstance(value, str):
+            raise SnapshotError(f"{key} must be a string, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _check_readable(path: str, base: dict, tensors) -> None:
+    """Run the reader's header checks on what is about to be written, so a save never writes
+    a file a reader refuses (a token id out of range, an ssm entry too large, ...)."""
+    infos, at = {}, 0
+    for name, a in tensors:
+        infos[name] = TensorInfo(name, dtype_name(a), list(a.shape), at, at + a.nbytes)
+        at += a.nbytes
+    for entry in base["caches"]:
+        for t in entry["tensors"]:
+            info = infos[t["name"]]
+            t.update(dtype=info.dtype, shape=info.shape, crc32=CRC_PLACEHOLDER)
+    text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
+    meta = {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
+    try:
+        check_header(SafetensorsHeader(path, meta, infos, 0, at))
+    except SnapshotError as e:
+        raise SnapshotError(f"{path}: not saved: the snapshot would not read back: {e}") from None
+
+
 def save(
     path: str,
     caches: Sequence,
     tokens: Sequence[int],
     *,
-    model_id: str = "",
-    config_fingerprint: str = "",
-    tokenizer_hash: str = "",
-    ns: str = "",
+    model=None,
+    model_id: str | None = None,
+    config_fingerprint: str | None = None,
+    tokenizer_hash: str | None = None,
+    ns: str | None = None,
     generation_checkpoint: dict | None = None,
     attachments: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -107,22 +145,29 @@ def save(
 ) -> dict:
     """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
 
-    Everything is checked before the file is opened; the write is atomic, so a snapshot
-    already at ``path`` survives any failure. ``created_at`` pins the timestamp (fixtures).
+    ``model`` records the identity derived from it (its id and fingerprint,
+    ``mlxkv.state.identity``), so that loading into another model is refused; the
+    identity keywords, when given, override it. Everything is checked before the file is
+    opened; the write is atomic, so a snapshot already at ``path`` survives any failure.
+    ``created_at`` pins the timestamp (fixtures).
     """
-    tokens = [int(t) for t in tokens]
+    try:
+        tokens = [int(t) for t in tokens]
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"tokens must be integers: {e}") from None
     entries, tensors = _encode_all(list(caches), tokens)
-    for _, a in tensors:
-        dtype_name(a)  # unsupported dtypes fail before the file is opened
+    for name, a in tensors:
+        check_storable(name, a)  # unsupported dtypes and ranks fail before the file is opened
     by_name = dict(tensors)
+    identity = _identity(
+        model,
+        {"model_id": model_id, "config_fingerprint": config_fingerprint, "tokenizer_hash": tokenizer_hash, "ns": ns},
+    )
     base = {
         "formatVersion": FORMAT_VERSION,
         "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "codecProvider": CODEC_PROVIDER,
-        "modelId": model_id,
-        "configFingerprint": config_fingerprint,
-        "tokenizerHash": tokenizer_hash,
-        "ns": ns,
+        **{field: identity[key] for key, field in IDENTITY_FIELDS.items()},
         "tokens": tokens,
         "caches": entries,
     }
@@ -134,6 +179,7 @@ def save(
         json.dumps(base)
     except (TypeError, ValueError) as e:
         raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
+    _check_readable(path, base, tensors)
 
     final = {}
 
@@ -154,84 +200,13 @@ def save(
 # -- reading ------------------------------------------------------------------------------
 
 
-def _parse(st: SafetensorsHeader) -> dict:
-    path = st.path
-    text = st.metadata.get(META_KEY)
-    if text is None:
-        raise SnapshotError(
-            f"{path}: not an mlxkv snapshot (no {META_KEY!r} metadata); "
-            "for an mlx-lm prompt-cache file use `mlxkv convert`"
-        )
-    crc = st.metadata.get(META_CRC_KEY)
-    if crc is not None and crc != crc32_hex(text.encode()):
-        raise CorruptSnapshotError(f"{path}: checksum mismatch in the snapshot header: the file is damaged")
-    try:
-        header = json.loads(text)
-    except ValueError as e:
-        raise CorruptSnapshotError(f"{path}: damaged snapshot header ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptSnapshotError(f"{path}: damaged snapshot header: not an object")
-    version = header.get("formatVersion")
-    if not is_int(version):
-        raise CorruptSnapshotError(f"{path}: formatVersion missing or not an integer")
-    if version > FORMAT_VERSION or version < 1:
-        raise FormatVersionError(
-            f"{path}: snapshot format version {version}; this mlxkv reads version "
-            f"{FORMAT_VERSION} and older: upgrade mlxkv to read it"
-        )
-    provider = header.get("codecProvider")
-    if provider not in ACCEPTED_PROVIDERS:
-        raise SnapshotError(f"{path}: codec provider {provider!r} is not one of {ACCEPTED_PROVIDERS}")
-    tokens = header.get("tokens")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise CorruptSnapshotError(f"{path}: tokens must be a list of integers")
-    entries = header.get("caches")
-    if not isinstance(entries, list) or not entries:
-        raise CorruptSnapshotError(f"{path}: the snapshot lists no caches")
-    seen = set()
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), list):
-            raise CorruptSnapshotError(f"{path}: cache entry {i} is malformed")
-        family_of_persisted(entry.get("kind"))  # an unknown kind is named before its tensors
-        shapes = {}
-        for t in entry["tensors"]:
-            name = t.get("name") if isinstance(t, dict) else None
-            info = st.tensors.get(name)
-            if info is None or name in seen:
-                raise CorruptSnapshotError(f"{path}: cache entry {i} names tensor {name!r}, which the file lacks")
-            if t.get("slot") is None or name != f"caches.{i}.{t['slot']}":
-                raise CorruptSnapshotError(f"{path}: tensor {name!r} is not named caches.{i}.<slot>")
-            if info.dtype != t.get("dtype") or info.shape != t.get("shape"):
-                raise CorruptSnapshotError(
-                    f"{path}: tensor {name!r}: header says {t.get('dtype')} {t.get('shape')}, "
-                    f"file holds {info.dtype} {info.shape}"
-                )
-            if not isinstance(t.get("crc32"), str):
-                raise CorruptSnapshotError(f"{path}: tensor {name!r} has no crc32")
-            seen.add(name)
-            shapes[t["slot"]] = info.shape
-        if not isinstance(entry.get("minimumReusableOffset"), int):
-            raise CorruptSnapshotError(f"{path}: cache entry {i} lacks minimumReusableOffset")
-        try:
-            check_entry(entry, shapes)
-        except CorruptSnapshotError as e:
-            raise CorruptSnapshotError(f"{path}: cache entry {i}: {e}") from None
-        if "pendingConversion" in entry:
-            p = entry["pendingConversion"]
-            if not isinstance(p, dict) or not isinstance(p.get("scheme"), str) or not isinstance(p.get("start"), int):
-                raise CorruptSnapshotError(f"{path}: cache entry {i}: malformed pendingConversion {p!r}")
-    extra = set(st.tensors) - seen
-    if extra:
-        raise CorruptSnapshotError(f"{path}: tensors {sorted(extra)} belong to no cache entry")
-    return header
-
-
 def read_header(path: str) -> dict:
     """The validated mlxkv header of ``path``; no tensor bytes are read."""
-    return _parse(read_safetensors_header(path))
+    with SafetensorsFile(path) as file:
+        return check_header(file.header)
 
 
-def _check_identity(path, header, expect):
+def _check_expectations(path, header, expect):
     for key, value in expect.items():
         if key not in IDENTITY_FIELDS:
             raise TypeError(f"load() got an unexpected expectation {key!r}")
@@ -243,6 +218,20 @@ def _check_identity(path, header, expect):
                 f"{path}: {field_name} is {header.get(field_name)!r}, expected {value!r}: "
                 "this snapshot belongs to another model, tokenizer, config or adapter"
             )
+
+
+def _check_model_identity(path, header, model):
+    """A snapshot that records a model fingerprint loads only into that model."""
+    recorded = header["configFingerprint"]
+    if not recorded:
+        return  # saved without a model: nothing to compare (the geometry still is)
+    mine = model_fingerprint(model)
+    if recorded != mine:
+        raise IdentityMismatchError(
+            f"{path}: the snapshot was computed by another model (fingerprint {recorded[:16]}..., "
+            f"this model's is {mine[:16]}...; modelId {header['modelId']!r}): its caches would make this "
+            "model generate garbage. Pass allow_other_model=True to load it anyway"
+        )
 
 
 def _check_geometry(path, header, model):
@@ -263,49 +252,72 @@ def _check_geometry(path, header, model):
             )
 
 
+def _decode(path, entry, codec, tensors, masks):
+    try:
+        cache = codec.decode(entry, tensors)
+        mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
+        cache.minimum_reusable_offset = entry["minimumReusableOffset"]
+        if "pendingConversion" in entry:
+            cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
+    except SnapshotError as e:
+        raise type(e)(f"{path}: {e}") from None
+    except MLXKVError as e:  # the header checks should have refused it: still a refusal of ours
+        raise SnapshotError(f"{path}: cannot restore this snapshot: {e}") from None
+    cache.masks = masks
+    return cache
+
+
 def load(
     path: str,
     model=None,
     *,
     verify: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    allow_other_model: bool = False,
+    check: Callable[[str, dict], None] | None = None,
     **expect,
 ) -> Snapshot:
-    """Restore a snapshot. ``expect`` takes model_id, config_fingerprint, tokenizer_hash, ns;
-    a given ``model`` is checked for layer count and head geometry."""
-    st = read_safetensors_header(path)
-    header = _parse(st)
-    _check_identity(path, header, expect)
-    if model is not None:
-        _check_geometry(path, header, model)
+    """Restore a snapshot.
 
-    masks = ForwardMasks()
-    entries = [(entry, family_of_persisted(entry["kind"]).codec) for entry in header["caches"]]
-    with TensorReader(st) as reader:
+    With ``model``, the snapshot must have been computed by that model: a recorded
+    fingerprint that differs from the model's refuses the load (``IdentityMismatchError``)
+    unless ``allow_other_model=True``; the layer count and head geometry are always
+    compared. ``expect`` takes model_id, config_fingerprint, tokenizer_hash, ns, each
+    compared exactly. ``check(path, header)``, if given, runs after every header check and
+    before any tensor is read (raise to refuse). The file is opened once: a snapshot
+    renamed over ``path`` meanwhile is never mixed with the one being read.
+    """
+    with SafetensorsFile(path) as file:
+        header = check_header(file.header)
+        _check_expectations(path, header, expect)
+        if model is not None:
+            if not allow_other_model:
+                _check_model_identity(path, header, model)
+            _check_geometry(path, header, model)
+        if check is not None:
+            check(path, header)
+        entries = [(entry, family_of_persisted(entry["kind"]).codec) for entry in header["caches"]]
         requests = [
             (t["name"], t["crc32"] if verify else None, codec.capacity(entry))
             for entry, codec in entries
             for t in entry["tensors"]
         ]
-        arrays = reader.read_all(requests, progress)
-    caches = []
-    for entry, codec in entries:
-        cache = codec.decode(entry, {t["slot"]: arrays.pop(t["name"]) for t in entry["tensors"]})
-        mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
-        cache.minimum_reusable_offset = entry["minimumReusableOffset"]
-        if "pendingConversion" in entry:
-            cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
-        cache.masks = masks
-        caches.append(cache)
+        arrays = TensorReader(file).read_all(requests, progress)
+    masks = ForwardMasks()
+    caches = [
+        _decode(path, entry, codec, {t["slot"]: arrays.pop(t["name"]) for t in entry["tensors"]}, masks)
+        for entry, codec in entries
+    ]
     return Snapshot(caches, list(header["tokens"]), header, path)
 
 
 def verify(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
     """Check every checksum of ``path`` without building caches; returns the header."""
-    st = read_safetensors_header(path)
-    header = _parse(st)
-    done, total = 0, st.file_size - st.data_start
-    with TensorReader(st) as reader:
+    with SafetensorsFile(path) as file:
+        header = check_header(file.header)
+        st = file.header
+        done, total = 0, st.file_size - st.data_start
+        reader = TensorReader(file)
         for entry in header["caches"]:
             for t in entry["tensors"]:
                 got = reader.checksum(t["name"])
