@@ -1,6 +1,6 @@
 """The mlxkv header of a snapshot, checked before a single tensor byte is read.
 
-``check_header`` applies steps 9-20 of docs/format.md section 8, in that order, to a
+``check_header`` applies steps 9-19 of docs/format.md section 8, in that order, to a
 safetensors header the io layer has checked (steps 1-8): the metadata keys, the header
 checksum, the version, the provider, every field's type and range, every tensor reference,
 and each kind's own rules. Whatever it accepts, a reader can restore without allocating
@@ -95,7 +95,7 @@ def _check_tensor_refs(st: SafetensorsHeader, i: int, entry: dict, seen: set) ->
 def _check_pending(path: str, i: int, pending) -> None:
     if type(pending) is not dict or pending.keys() != {"scheme", "start"}:
         raise CorruptSnapshotError(f"{path}: cache entry {i}: malformed pendingConversion {str(pending)[:80]}")
-    if type(pending["scheme"]) is not str or not is_count32(pending["start"]):
+    if type(pending["scheme"]) is not str or not pending["scheme"].isascii() or not is_count32(pending["start"]):
         raise CorruptSnapshotError(f"{path}: cache entry {i}: malformed pendingConversion {str(pending)[:80]}")
     try:
         scheme_for_pending(pending)
