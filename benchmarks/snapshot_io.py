@@ -13,7 +13,12 @@ read from the disk, as a resume on a fresh machine does.
 Targets (issue 2, point 11): mlxkv save <= 1.0x mlx-lm save; mlxkv verified load <= 1.5x
 mlx-lm load + eval; mlxkv file <= logical bytes + header.
 
-Usage: python benchmarks/snapshot_io.py [--layers 16 --tokens 4096 --repeats 5 --dir DIR]
+``--independent`` measures the other way, closer to use: every repeat builds fresh caches
+of both kinds with ``update_and_fetch`` (their own memory, mlx-lm's and mlxkv's step
+growth), unlinks both files before saving, and evaluates every restored array; it reports
+the ratio of each repeat (median, quartiles, range), not only the ratio of medians.
+
+Usage: python benchmarks/snapshot_io.py [--layers 16 --tokens 4096 --repeats 5 --dir DIR] [--independent]
 """
 
 import argparse
@@ -169,6 +174,118 @@ def timed(fn, *args, **kw):
     return time.perf_counter() - t0
 
 
+def fresh_caches(cls, arrays):
+    """New caches holding ``arrays`` the way a prefill fills them (update_and_fetch)."""
+    caches = []
+    for k, v in arrays:
+        c = cls()
+        c.update_and_fetch(k, v)
+        caches.append(c)
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+def evaluated(caches):
+    """Every restored array evaluated (slack rows included), then a first decode append."""
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+def quartiles(xs):
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "min": min(xs), "max": max(xs)}
+
+
+def independent(args):
+    arrays = build_arrays(args.layers, args.heads, args.tokens, args.dim)
+    tokens = list(range(args.tokens))
+    workdir = tempfile.mkdtemp(prefix="mlxkv-bench-", dir=args.dir or os.path.dirname(args.out))
+    paths = {"mlx_lm": os.path.join(workdir, "mlx_lm.safetensors"), "mlxkv": os.path.join(workdir, "mlxkv.safetensors")}
+
+    def save_lm():
+        caches = fresh_caches(mlx_cache.KVCache, arrays)
+        if os.path.exists(paths["mlx_lm"]):
+            os.unlink(paths["mlx_lm"])
+        return timed(mlx_lm_save, paths["mlx_lm"], caches)
+
+    def save_kv():
+        caches = fresh_caches(mlxkv.KVCache, arrays)
+        if os.path.exists(paths["mlxkv"]):
+            os.unlink(paths["mlxkv"])
+        return timed(mlxkv_save, paths["mlxkv"], caches, tokens)
+
+    def load_lm():
+        return timed(lambda: append_one(evaluated(mlx_cache.load_prompt_cache(paths["mlx_lm"]))))
+
+    def load_kv():
+        return timed(lambda: append_one(evaluated(mlxkv.load(paths["mlxkv"]).caches)))
+
+    def load_lm_only():
+        return timed(lambda: evaluated(mlx_cache.load_prompt_cache(paths["mlx_lm"])))
+
+    def load_kv_only():
+        return timed(lambda: evaluated(mlxkv.load(paths["mlxkv"]).caches))
+
+    steps = {
+        "mlx_lm_save": save_lm,
+        "mlxkv_save": save_kv,
+        "mlx_lm_load": load_lm_only,
+        "mlxkv_load": load_kv_only,
+        "mlx_lm_load_then_append": load_lm,
+        "mlxkv_load_then_append": load_kv,
+    }
+    times = {k: [] for k in steps}
+    order = random.Random(1)
+    try:
+        for r in range(args.repeats):
+            for group in (
+                ("mlx_lm_save", "mlxkv_save"),
+                ("mlx_lm_load", "mlxkv_load"),
+                ("mlx_lm_load_then_append", "mlxkv_load_then_append"),
+            ):
+                names = list(group)
+                order.shuffle(names)
+                for name in names:
+                    times[name].append(steps[name]())
+            print(
+                f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms" for k, v in times.items()),
+                file=sys.stderr,
+            )
+    finally:
+        for p_ in paths.values():
+            if os.path.exists(p_):
+                os.unlink(p_)
+        os.rmdir(workdir)
+    per_repeat = {
+        what: [a / b for a, b in zip(times[f"mlxkv_{what}"], times[f"mlx_lm_{what}"])]
+        for what in ("save", "load", "load_then_append")
+    }
+    result = {
+        "mode": "independent",
+        "cache": {"layers": args.layers, "shape": [1, args.heads, args.tokens, args.dim], "dtype": "bfloat16"},
+        "repeats": args.repeats,
+        "seconds": {k: quartiles(v) for k, v in times.items()},
+        "ratio_of_medians": {
+            w: statistics.median(times[f"mlxkv_{w}"]) / statistics.median(times[f"mlx_lm_{w}"]) for w in per_repeat
+        },
+        "per_repeat_ratio": {w: quartiles(v) for w, v in per_repeat.items()},
+        "all_seconds": times,
+        "machine": {"cpus": os.cpu_count(), "mlx": mx.__version__},
+    }
+    with open(args.out.replace(".json", "_independent.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"independent side-by-side: fresh caches, files unlinked before saves, {args.repeats} repeats")
+    for k, q in result["seconds"].items():
+        print(f"  {k.ljust(26)} median {q['median'] * 1000:7.1f} ms  [{q['min'] * 1000:.0f} .. {q['max'] * 1000:.0f}]")
+    print("mlxkv / mlx_lm: ratio of medians; per-repeat ratio median [q1 .. q3] (min .. max)")
+    for w, q in result["per_repeat_ratio"].items():
+        print(
+            f"  {w.ljust(17)} {result['ratio_of_medians'][w]:.3f};  {q['median']:.3f} [{q['q1']:.3f} .. {q['q3']:.3f}]"
+            f" ({q['min']:.3f} .. {q['max']:.3f})"
+        )
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=16)
@@ -179,9 +296,13 @@ def main(argv=None):
     p.add_argument("--pause", type=float, default=0.0, help="rest before each measurement, seconds")
     p.add_argument("--dir", default=None, help="where to write the files (default: a temp dir next to the results)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "snapshot_io.json"))
+    p.add_argument("--independent", action="store_true", help="fresh caches, unlinked files, per-repeat ratios")
     args = p.parse_args(argv)
     global PAUSE
     PAUSE = args.pause
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if args.independent:
+        return independent(args)
 
     arrays = build_arrays(args.layers, args.heads, args.tokens, args.dim)
     logical = sum(k.nbytes + v.nbytes for k, v in arrays)

@@ -96,11 +96,12 @@ def layers_by_kind(kinds: list[str]) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .io.safetensors import read_safetensors_header
-    from .state.snapshot import read_header
+    from .io.safetensors import SafetensorsFile
+    from .state.header import check_header
 
-    header = read_header(args.file)
-    st = read_safetensors_header(args.file)
+    with SafetensorsFile(args.file) as file:  # one file, however the path is renamed over
+        st = file.header
+        header = check_header(st)
     tokens = header["tokens"]
     shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
     general = [

@@ -27,7 +27,8 @@ from ..errors import (
     IdentityMismatchError,
     MLXKVError,
 )
-from ..io.safetensors import read_safetensors_header, write_atomic
+from ..io import strict_json
+from ..io.safetensors import SafetensorsFile, write_atomic
 from ..io.tensor_reader import TensorReader
 from .identity import model_geometry
 
@@ -70,14 +71,14 @@ def save_qfilters(cal: QFiltersCalibration, path: str, fsync: bool = True) -> di
     return written
 
 
+MAX_LAYERS = 1 << 16  # layers a calibration may declare
+
+
 def _parse(path: str, st) -> dict:
     text = st.metadata.get(META_KEY)
     if text is None:
         raise CorruptSnapshotError(f"{path}: not a Q-Filters calibration (no {META_KEY!r} metadata)")
-    try:
-        meta = json.loads(text)
-    except ValueError as e:
-        raise CorruptSnapshotError(f"{path}: damaged calibration metadata ({e})") from None
+    meta = strict_json.loads(text, f"{path}: calibration metadata")
     version = meta.get("version") if isinstance(meta, dict) else None
     if not is_int(version):
         raise CorruptSnapshotError(f"{path}: calibration version missing or not an integer")
@@ -88,8 +89,8 @@ def _parse(path: str, st) -> dict:
         )
     n, layers, crcs = meta.get("nLayers"), meta.get("layers"), meta.get("crc32")
     if (
-        not isinstance(n, int)
-        or n < 1
+        not is_int(n)
+        or not 1 <= n <= MAX_LAYERS  # a list of n entries is built from it
         or not isinstance(layers, list)
         or not isinstance(crcs, dict)
         or not all(isinstance(i, int) and 0 <= i < n for i in layers)
@@ -138,17 +139,18 @@ def load_qfilters(
     """Read a calibration written by :func:`save_qfilters`; everything is checked before a
     tensor is read. ``expect_model_id``: refuse another model's filters. ``model``: refuse a
     calibration whose layer count, calibrated layers or head layout disagree with it."""
-    st = read_safetensors_header(path)
-    meta = _parse(path, st)
-    if expect_model_id is not None and meta.get("modelId") != expect_model_id:
-        raise IdentityMismatchError(
-            f"{path}: filters were calibrated for {meta.get('modelId')!r}, not {expect_model_id!r}: "
-            "filters are model-specific"
-        )
-    if model is not None:
-        _check_model(path, meta, st, model)
-    filters = [None] * meta["nLayers"]
-    with TensorReader(st) as reader:
+    with SafetensorsFile(path) as file:  # one descriptor for the header and the tensors
+        st = file.header
+        meta = _parse(path, st)
+        if expect_model_id is not None and meta.get("modelId") != expect_model_id:
+            raise IdentityMismatchError(
+                f"{path}: filters were calibrated for {meta.get('modelId')!r}, not {expect_model_id!r}: "
+                "filters are model-specific"
+            )
+        if model is not None:
+            _check_model(path, meta, st, model)
+        filters = [None] * meta["nLayers"]
+        reader = TensorReader(file)
         for i in meta["layers"]:
             name = _tensor_name(i)
             filters[i] = reader.read(name, meta["crc32"][name] if verify else None)

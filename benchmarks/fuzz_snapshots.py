@@ -1,0 +1,159 @@
+"""The fuzz suite at full size: seeded damaged and crafted snapshots, outcomes classified.
+
+    python benchmarks/fuzz_snapshots.py [--cases 50000 --seed 0 --workers 2]
+
+Cases are tests/fuzzing.py's (every persisted kind, the three seeded architectures; bit
+flips, truncations, appended bytes, valid-JSON edits of both headers, crafted headers with
+recomputed checksums, hostile sizes). They run in worker processes, each case in-process
+under a watchdog; a worker that dies (a crash) or stops answering (a hang the watchdog could
+not interrupt) is replaced and the case it was on is recorded as that defect. Prints the
+table of outcomes per mutation and exits 1 if any case is a defect.
+"""
+
+import argparse
+import collections
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+STALL_SECONDS = 120.0  # a worker silent this long on one case is hung beyond the watchdog
+
+
+def worker(seed: int, start: int, stop: int, directory: str) -> int:
+    import fuzzing
+
+    corpus = fuzzing.Corpus()
+    path = os.path.join(directory, f"case-{os.getpid()}.safetensors")
+    for i in range(start, stop):
+        print(json.dumps({"start": i}), flush=True)
+        name, mutation, data, expect = fuzzing.make_case(corpus, seed, i)
+        outcome, detail = fuzzing.run_case(corpus, path, name, data, expect, with_model=i % 4 == 0)
+        print(
+            json.dumps({"i": i, "base": name, "mutation": mutation, "outcome": outcome, "detail": detail}), flush=True
+        )
+    return 0
+
+
+class Worker:
+    def __init__(self, seed, start, stop, directory):
+        self.stop = stop
+        self.current = None
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--seed", str(seed), "--start", str(start), "--stop", str(stop)]
+            + ["--dir", directory],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
+        self.last = time.monotonic()
+
+
+def run(cases: int, seed: int, workers: int, directory: str, log=print):
+    import fuzzing
+
+    per = -(-cases // workers)
+    ranges = [(k * per, min(cases, (k + 1) * per)) for k in range(workers) if k * per < cases]
+    active = [Worker(seed, a, b, directory) for a, b in ranges]
+    table = collections.Counter()
+    defects = []
+    done, t0 = 0, time.monotonic()
+
+    def record(i, mutation, outcome, detail, base=""):
+        nonlocal done
+        table[(mutation, outcome)] += 1
+        done += 1
+        if outcome in fuzzing.DEFECTS:
+            defects.append({"i": i, "base": base, "mutation": mutation, "outcome": outcome, "detail": detail})
+        if done % 5000 == 0:
+            log(f"  {done}/{cases} cases, {time.monotonic() - t0:.0f} s, {len(defects)} defects", file=sys.stderr)
+
+    corpus = None
+    while active:
+        ready, _, _ = select.select([w.proc.stdout for w in active], [], [], 5.0)
+        for w in list(active):
+            if w.proc.stdout in ready:
+                line = w.proc.stdout.readline()
+                if line:
+                    w.last = time.monotonic()
+                    msg = json.loads(line)
+                    if "start" in msg:
+                        w.current = msg["start"]
+                    else:
+                        record(msg["i"], msg["mutation"], msg["outcome"], msg["detail"], msg["base"])
+                        w.current = None
+                    continue
+            stalled = time.monotonic() - w.last > STALL_SECONDS
+            exited = w.proc.poll() is not None and (w.proc.stdout not in ready or not line)
+            if not (stalled or exited):
+                continue
+            if stalled:
+                w.proc.kill()
+            w.proc.wait()
+            active.remove(w)
+            if w.current is not None:  # the case it was on killed it, or hung it
+                corpus = corpus or fuzzing.Corpus()
+                _, mutation, _, _ = fuzzing.make_case(corpus, seed, w.current)
+                why = "hang" if stalled else "crash"
+                record(w.current, mutation, why, f"worker {'stalled' if stalled else f'exit {w.proc.returncode}'}")
+                if w.current + 1 < w.stop:
+                    active.append(Worker(seed, w.current + 1, w.stop, directory))
+    return table, defects, time.monotonic() - t0
+
+
+def print_table(table, defects, cases, seconds, seed):
+    import fuzzing
+
+    columns = list(fuzzing.OUTCOMES) + list(fuzzing.DEFECTS)
+    rows = [
+        [m] + [str(table[(m, c)]) for c in columns] + [str(sum(table[(m, c)] for c in columns))]
+        for m in fuzzing.MUTATIONS
+    ]
+    totals = ["total"] + [str(sum(table[(m, c)] for m in fuzzing.MUTATIONS)) for c in columns]
+    totals.append(str(sum(table.values())))
+    headers = ["mutation"] + columns + ["cases"]
+    widths = [max(len(r[k]) for r in [headers, *rows, totals]) for k in range(len(headers))]
+    line = lambda cells: "  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(cells, widths)))
+    print(f"fuzz: {cases} cases, seed {seed}, {seconds:.0f} s")
+    print(line(headers))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+    print(line(totals))
+    print(f"defects: {len(defects)}")
+    for d in defects[:20]:
+        print(f"  case {d['i']} ({d['base']}, {d['mutation']}): {d['outcome']}: {d['detail']}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", type=int, default=50000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--json", help="also write the table and defects here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.seed, args.start, args.stop, args.dir)
+    with tempfile.TemporaryDirectory(prefix="mlxkv-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        table, defects, seconds = run(args.cases, args.seed, args.workers, d)
+    print_table(table, defects, args.cases, seconds, args.seed)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"table": {f"{m}/{o}": n for (m, o), n in table.items()}, "defects": defects}, f, indent=1)
+    return 1 if defects else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
