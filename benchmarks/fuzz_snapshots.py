@@ -8,6 +8,13 @@ recomputed checksums, hostile sizes). They run in worker processes, each case in
 under a watchdog; a worker that dies (a crash) or stops answering (a hang the watchdog could
 not interrupt) is replaced and the case it was on is recorded as that defect. Prints the
 table of outcomes per mutation and exits 1 if any case is a defect.
+
+    python benchmarks/fuzz_snapshots.py --parity 5000
+
+reads the first cases with mlxkv and with the independent TypeScript reader of
+fixtures/ts (built with ``npm ci --prefix fixtures/ts && npm run build --prefix fixtures/ts``)
+and counts the files on which they disagree (one loads, the other refuses): docs/format.md
+is meant to make every reader refuse the same files.
 """
 
 import argparse
@@ -133,12 +140,49 @@ def print_table(table, defects, cases, seconds, seed):
         print(f"  case {d['i']} ({d['base']}, {d['mutation']}): {d['outcome']}: {d['detail']}")
 
 
+def parity(cases: int, seed: int, directory: str) -> int:
+    import fuzzing
+
+    import mlxkv
+
+    corpus = fuzzing.Corpus()
+    ours = {}
+    for i in range(cases):
+        _, mutation, data, _ = fuzzing.make_case(corpus, seed, i)
+        path = os.path.join(directory, f"case-{i:06d}.safetensors")
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            mlxkv.load(path)
+            ours[path] = (mutation, True, "")
+        except mlxkv.SnapshotError as e:
+            ours[path] = (mutation, False, f"{type(e).__name__}: {str(e)[len(path) + 2 :][:200]}")
+    check = os.path.join(ROOT, "fixtures", "ts", "dist", "check.js")
+    out = subprocess.run(["node", check, "--dir", directory], capture_output=True, text=True, check=True).stdout
+    theirs = {v["file"]: v for v in map(json.loads, out.splitlines())}
+    differ = [(p, ours[p], theirs[p]) for p in sorted(ours) if ours[p][1] != theirs[p]["ok"]]
+    foreign = [p for p, v in theirs.items() if v.get("reason") == "foreign"]
+    both_ok = sum(1 for p in ours if ours[p][1] and theirs[p]["ok"])
+    both_refuse = sum(1 for p in ours if not ours[p][1] and not theirs[p]["ok"])
+    print(
+        f"parity: {cases} cases (seed {seed}): both refuse {both_refuse}, "
+        f"both load {both_ok}, disagree {len(differ)}, TypeScript foreign errors {len(foreign)}"
+    )
+    for p, (mutation, ok, msg), t in differ[:20]:
+        print(
+            f"  {os.path.basename(p)} ({mutation}): mlxkv {'loads' if ok else 'refuses: ' + msg}; "
+            f"TypeScript {'loads' if t['ok'] else 'refuses: ' + t.get('message', '')[:200]}"
+        )
+    return 1 if differ or foreign else 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", type=int, default=50000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--json", help="also write the table and defects here")
+    p.add_argument("--parity", type=int, default=0, metavar="N", help="compare N cases with the TypeScript reader")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
@@ -146,6 +190,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.seed, args.start, args.stop, args.dir)
+    if args.parity:
+        with tempfile.TemporaryDirectory(prefix="mlxkv-parity-") as d:
+            return parity(args.parity, args.seed, d)
     with tempfile.TemporaryDirectory(prefix="mlxkv-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         table, defects, seconds = run(args.cases, args.seed, args.workers, d)
     print_table(table, defects, args.cases, seconds, args.seed)

@@ -236,6 +236,7 @@ def test_a_huge_ssm_size_is_refused_before_anything_is_built(models, tmp_path):
         (lambda h: h["caches"][0].update(minimumReusableOffset=True), "minimumReusableOffset must be"),
         (lambda h: h["tokens"].__setitem__(0, -1), "tokens must be a list of token ids"),
         (lambda h: h["tokens"].__setitem__(0, 2**31), "tokens must be a list of token ids"),
+        (lambda h: h["caches"][0]["tensors"][1]["shape"].__setitem__(0, True), "header says BF16 \\[True"),
     ],
 )
 def test_tokens_offsets_and_reuse_floors_are_bounded(llama_file, edit, match):
@@ -384,15 +385,26 @@ for _ in range(int(sys.argv[3])):
 """
 
 
-def test_a_save_removes_the_temporaries_of_writers_killed_before(llama_file, tmp_path, models):
+def test_a_save_removes_the_temporaries_of_writers_killed_before(llama_file, monkeypatch):
     directory = os.path.dirname(llama_file)
-    subprocess.run(
-        [sys.executable, "-c", LOCK_AND_DIE, temporaries.__file__, llama_file, "100"],
-        check=True,
-    )
-    left = [f for f in os.listdir(directory) if temporaries.MARK in f]
+
+    def killed_writers(n):
+        subprocess.run([sys.executable, "-c", LOCK_AND_DIE, temporaries.__file__, llama_file, str(n)], check=True)
+        return [f for f in os.listdir(directory) if temporaries.MARK in f]
+
+    left = killed_writers(100)
     assert len(left) == 100 and all(f.startswith(".s.safetensors.mlxkv-tmp.") for f in left)
     snap = mlxkv.load(llama_file)
+    monkeypatch.setattr(temporaries, "_scanned", {})  # this process has not listed the directory yet
+    mlxkv.save(llama_file, snap.caches, snap.tokens)
+    assert [f for f in os.listdir(directory) if temporaries.MARK in f] == []
+    # a process lists a directory at most once a minute: the next save within it does not
+    assert len(killed_writers(1)) == 1
+    mlxkv.save(llama_file, snap.caches, snap.tokens)
+    assert len([f for f in os.listdir(directory) if temporaries.MARK in f]) == 1
+    monkeypatch.setattr(
+        temporaries, "_scanned", {d: t - temporaries.SCAN_INTERVAL for d, t in temporaries._scanned.items()}
+    )
     mlxkv.save(llama_file, snap.caches, snap.tokens)
     assert [f for f in os.listdir(directory) if temporaries.MARK in f] == []
 

@@ -156,7 +156,7 @@ def write_atomic(
     ``build_metadata(crcs)`` must give a header of the same length for the placeholder
     checksums and the real ones (fixed-width hex does). The temporary file beside ``path``
     is locked while it is written (temporaries.py); the stale ones of writers that died in
-    the same directory are removed on the way.
+    the same directory are removed on the way (at most once a minute per directory).
     """
     entries, start = {}, 0
     for name, a in tensors:
@@ -173,7 +173,7 @@ def write_atomic(
         fd, tmp = temporaries.create(path)
     except OSError as e:
         raise _write_error(path, e, f"cannot create a file in {directory}") from e
-    temporaries.remove_stale(directory)
+    temporaries.remove_stale_now_and_then(directory)
     try:
         crcs, done = {}, 0
         with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename

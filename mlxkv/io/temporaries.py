@@ -21,8 +21,13 @@ import os
 import re
 import secrets
 import stat
+import time
 
 MARK = ".mlxkv-tmp."
+#: a directory is scanned at most this often per process by writers (listing a directory of
+#: 10,000 snapshots takes about 12 ms; a store scan calls remove_stale directly)
+SCAN_INTERVAL = 60.0
+_scanned: dict[str, float] = {}
 _NAME = re.compile(r"\..*" + re.escape(MARK) + r"(\d+)\.[0-9a-f]{16}")
 _MAX_BASE = 180  # keeps the name under the usual 255-byte limit
 
@@ -83,6 +88,16 @@ def _remove_if_dead(path: str, pid: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def remove_stale_now_and_then(directory: str) -> list[str]:
+    """:func:`remove_stale`, unless this process scanned ``directory`` in the last
+    :data:`SCAN_INTERVAL` seconds (what a writer calls on every save)."""
+    now = time.monotonic()
+    if now - _scanned.get(directory, -SCAN_INTERVAL) < SCAN_INTERVAL:
+        return []
+    _scanned[directory] = now
+    return remove_stale(directory)
 
 
 def remove_stale(directory: str) -> list[str]:

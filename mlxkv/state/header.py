@@ -79,7 +79,11 @@ def _check_tensor_refs(st: SafetensorsHeader, i: int, entry: dict, seen: set) ->
         slot = t.get("slot")
         if type(slot) is not str or name != f"caches.{i}.{slot}":
             raise CorruptSnapshotError(f"{path}: tensor {name!r} is not named caches.{i}.<slot>")
-        if info.dtype != t.get("dtype") or info.shape != t.get("shape"):
+        shape = t.get("shape")  # compared element by element: a bool is not a dimension (True == 1)
+        same_shape = type(shape) is list and len(shape) == len(info.shape)
+        if info.dtype != t.get("dtype") or not (
+            same_shape and all(type(a) is int and a == b for a, b in zip(shape, info.shape))
+        ):
             raise CorruptSnapshotError(
                 f"{path}: tensor {name!r}: header says {str(t.get('dtype'))[:20]} {str(t.get('shape'))[:80]}, "
                 f"file holds {info.dtype} {info.shape}"
