@@ -179,7 +179,7 @@ def _get(tree, path):
     return tree
 
 
-def _deep(depth):
+def deep(depth):
     """A marker that ``dumps`` writes as ``depth`` nested arrays (json.dumps would recurse)."""
     return f"@@deep{depth}@@"
 
@@ -201,8 +201,8 @@ def _edit_json(rng: random.Random, tree):
     op = rng.randrange(7)
     if not path or op == 0:  # replace a leaf or a subtree with a hostile value
         if not path:
-            return rng.choice([[], "x", 1, {"caches": []}, _deep(rng.choice((70, 3000)))])
-        new = rng.choice(HOSTILE_VALUES + (_deep(rng.choice((10, 70, 3000))),))
+            return rng.choice([[], "x", 1, {"caches": []}, deep(rng.choice((70, 3000)))])
+        new = rng.choice(HOSTILE_VALUES + (deep(rng.choice((10, 70, 3000))),))
     elif op == 1 and isinstance(value, (int, float)) and not isinstance(value, bool):
         new = rng.choice([value + 1, value - 1, value * 2, -value, 0, value + 2**32])
     elif op == 2:  # delete it

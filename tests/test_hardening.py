@@ -3,7 +3,6 @@ each built from a real damaged or crafted file."""
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import weakref
@@ -12,12 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import run
+from fuzzing import Parts, deep, join
 from helpers import data_start, read_raw
 
 import mlxkv
 from mlxkv.errors import CorruptSnapshotError, IdentityMismatchError, SnapshotError
 from mlxkv.io import temporaries, tensor_reader
-from mlxkv.io.safetensors import array_buffer, crc32_hex
+from mlxkv.io.safetensors import array_buffer
 from mlxkv.seeded import build_model, prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,52 +26,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -- building files -----------------------------------------------------------------------------
 
 
-DEEP = "[" * 3000 + "]" * 3000  # written where a value is "@@deep@@" (json.dumps would recurse)
+DEEP = deep(3000)  # a value json.dumps would recurse on; fuzzing.dumps writes it
 
 
 def write_parts(path, outer, body: bytes, raw: bytes | None = None):
-    raw = raw if raw is not None else json.dumps(outer, separators=(",", ":")).replace('"@@deep@@"', DEEP).encode()
-    raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + body)
+        f.write(join(outer, body, raw))
 
 
-def craft(path, edit_header=None, edit_outer=None, tensors=None, fix_crc=True):
+def craft(path, edit_header=None, edit_outer=None, tensors=None):
     """Rewrite ``path`` with ``edit_header(mlxkv header)`` / ``edit_outer(safetensors doc)``
-    applied, tensor bytes replaced from ``tensors`` (name -> bytes), byte ranges re-laid out
-    and every checksum recomputed (``fix_crc``): a consistent, crafted file."""
-    outer, body = read_raw(path)
-    header = json.loads(outer["__metadata__"]["mlxkv"])
-    start = 0
-    stored = {}
-    for name, e in outer.items():
-        if name != "__metadata__":
-            b, t = e["data_offsets"]
-            stored[name] = body[b:t]
-    stored.update(tensors or {})
+    applied and tensor bytes replaced from ``tensors`` (name -> bytes); byte ranges are
+    re-laid out and every checksum recomputed: a consistent, crafted file."""
+    parts = Parts(open(path, "rb").read())
+    parts.tensors.update({k: bytearray(v) for k, v in (tensors or {}).items()})
     if edit_header:
-        edit_header(header)
+        edit_header(parts.inner)
     if edit_outer:
-        edit_outer(outer)
-    refs = {
-        t["name"]: t
-        for e in header.get("caches", [])
-        for t in e.get("tensors", [])
-        if isinstance(t, dict) and isinstance(t.get("name"), str)
-    }
-    chunks = []
-    for name in [n for n in outer if n != "__metadata__"]:
-        raw = stored[name]
-        outer[name]["data_offsets"] = [start, start + len(raw)]
-        if fix_crc and name in refs:
-            refs[name]["crc32"] = crc32_hex(raw)
-        chunks.append(raw)
-        start += len(raw)
-    text = json.dumps(header, separators=(",", ":")).replace('"@@deep@@"', DEEP)
-    outer["__metadata__"]["mlxkv"] = text
-    if fix_crc:
-        outer["__metadata__"]["mlxkv.crc32"] = crc32_hex(text.encode())
-    write_parts(path, outer, b"".join(chunks))
+        edit_outer(parts.outer)
+    with open(path, "wb") as f:
+        f.write(parts.build())
 
 
 def refused_everywhere(path, error=SnapshotError, match=None, header_too=True):
@@ -143,8 +117,8 @@ def test_a_checksum_that_is_not_eight_lowercase_hex_digits_is_refused(llama_file
 # -- 2. every refusal is ours -------------------------------------------------------------------
 
 FOREIGN = {  # what each raised on main before: RecursionError, OverflowError, TypeError, ...
-    "deep nesting in the safetensors header": (None, lambda o: o.update({"x": "@@deep@@"})),
-    "deep nesting in the mlxkv header": (lambda h: h.update(attachments={"x": "@@deep@@"}), None),
+    "deep nesting in the safetensors header": (None, lambda o: o.update({"x": DEEP})),
+    "deep nesting in the mlxkv header": (lambda h: h.update(attachments={"x": DEEP}), None),
     "a float shape": (None, lambda o: o["caches.0.keys"].update(shape=[1.0, 2, 12, 64])),
     "an infinite number": (lambda h: h["caches"][0].update(offset=1e400), None),
     "an integer beyond 2**53": (lambda h: h["caches"][0].update(offset=2**64), None),
@@ -175,8 +149,7 @@ def test_malformed_headers_are_refused_with_our_errors(llama_file, case):
     if edit_outer is not None and edit_header is None:  # the safetensors header: no checksum to fix
         outer, body = read_raw(llama_file)
         edit_outer(outer)
-        raw = json.dumps(outer, separators=(",", ":"), allow_nan=True).replace('"@@deep@@"', DEEP)
-        write_parts(llama_file, outer, body, raw.encode())
+        write_parts(llama_file, outer, body)
     else:
         craft(llama_file, edit_header, edit_outer)
     refused_everywhere(llama_file)
