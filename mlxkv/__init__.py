@@ -13,6 +13,7 @@ from .errors import (
     SnapshotError,
     SnapshotWriteError,
     UnknownKindError,
+    UnsupportedKindError,
 )
 from .caches.arrays import ArraysCache
 from .batched.rows import extend, extend_model_rows, extract_model_row, extract_row, filter_model_rows, filter_rows, merge_model_rows, merge_rows  # noqa: E501
