@@ -20,6 +20,7 @@ from ..io.safetensors import (
     read_safetensors_header,
     write_atomic,
 )
+from ..io.mlxbun import is_mlx_bun_file
 from ..io.tensor_reader import TensorReader
 from ..errors import (
     CorruptSnapshotError,
@@ -104,12 +105,24 @@ def save(
     progress: Optional[Callable[[int, int], None]] = None,
     fsync: bool = True,
     created_at: Optional[str] = None,
+    format: str = "mlxkv",
 ) -> dict:
     """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
 
     Everything is checked before the file is opened; the write is atomic, so a snapshot
     already at ``path`` survives any failure. ``created_at`` pins the timestamp (fixtures).
+    ``format="mlx-bun"`` writes mlx-bun's cache-file format instead (docs/mlx-bun.md).
     """
+    if format == "mlx-bun":  # hook: mlx-bun's format lives in state/mlxbun.py
+        from .mlxbun import save_mlx_bun
+
+        return save_mlx_bun(
+            path, caches, tokens, model_id=model_id, config_fingerprint=config_fingerprint,
+            tokenizer_hash=tokenizer_hash, ns=ns, generation_checkpoint=generation_checkpoint,
+            attachments=attachments, progress=progress, fsync=fsync, created_at=created_at,
+        )
+    if format != "mlxkv":
+        raise SnapshotError(f"unknown snapshot format {format!r}: 'mlxkv' or 'mlx-bun'")
     tokens = [int(t) for t in tokens]
     entries, tensors = _encode_all(list(caches), tokens)
     for name, a in tensors:
@@ -228,6 +241,10 @@ def _parse(st: SafetensorsHeader) -> dict:
 
 def read_header(path: str) -> dict:
     """The validated mlxkv header of ``path``; no tensor bytes are read."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file, translated (state/mlxbun.py)
+        from .mlxbun import read_mlx_bun_header
+
+        return read_mlx_bun_header(path)
     return _parse(read_safetensors_header(path))
 
 
@@ -275,6 +292,10 @@ def load(
 ) -> Snapshot:
     """Restore a snapshot. ``expect`` takes model_id, config_fingerprint, tokenizer_hash, ns;
     a given ``model`` is checked for layer count and head geometry."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
+        from .mlxbun import load_mlx_bun
+
+        return load_mlx_bun(path, model, verify=verify, progress=progress, **expect)
     st = read_safetensors_header(path)
     header = _parse(st)
     _check_identity(path, header, expect)
@@ -304,6 +325,10 @@ def load(
 
 def verify(path: str, progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """Check every checksum of ``path`` without building caches; returns the header."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
+        from .mlxbun import verify_mlx_bun
+
+        return verify_mlx_bun(path, progress)
     st = read_safetensors_header(path)
     header = _parse(st)
     done, total = 0, st.file_size - st.data_start
