@@ -349,9 +349,11 @@ def convert_prompt_cache(
     dst: str,
     tokens: Optional[Sequence[int]] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    format: str = "mlxkv",
     **identity,
 ) -> dict:
-    """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``.
+    """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``
+    (``format="mlx-bun"``: into an mlx-bun cache file).
 
     The snapshot records the exact tokens its caches cover, which mlx-lm files do not:
     they come from ``tokens`` or else from a ``tokens`` entry (a JSON list) in the file's
@@ -369,4 +371,4 @@ def convert_prompt_cache(
             "1,2,3` / `--tokens @ids.json`)"
         )
     identity.setdefault("model_id", pc.metadata.get("model", ""))
-    return save(dst, pc.caches, pc.tokens, progress=progress, **identity)
+    return save(dst, pc.caches, pc.tokens, progress=progress, format=format, **identity)
