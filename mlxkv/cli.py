@@ -172,7 +172,7 @@ def _inspect_mlx_bun(path: str) -> int:
     for k, v in general:
         print(f"{k.ljust(width)}  {v}")
     print()
-    print_table(headers, rows)
+    print_table(headers, rows, out=sys.stdout)
     return 0
 
 

@@ -351,7 +351,7 @@ def _js_number(x: float) -> str:
         return "0"
     if x < 0:
         return "-" + _js_number(-x)
-    if x.is_integer() and x < 1e21:
+    if x.is_integer() and x < 2**53:
         return str(int(x))
     _, digits, exp = decimal.Decimal(repr(x)).as_tuple()
     d = "".join(map(str, digits)).rstrip("0")
