@@ -106,6 +106,8 @@ class _Layer:
 
 def _translate_entry(where: str, i: int, raw: dict, slots: list) -> _Layer:
     kind = raw.get("kind")
+    if not isinstance(kind, str):
+        raise CorruptSnapshotError(f"{where}: cache entry {i}: kind {kind!r} is not a string")
     if kind in REFUSED:
         raise UnsupportedKindError(kind, f"{where}: cache entry {i} is mlx-bun kind {kind!r}, {REFUSED[kind]}")
     if kind not in KINDS:
@@ -204,10 +206,13 @@ def _read_arrays(f: container.MlxBunFile, requests, progress) -> dict:
     if f.layout == "whole":
         with TensorReader(f.tensor_source()) as reader:
             return reader.read_all([(s.info.name, None, rows) for s, rows in requests], progress)
-    out = {}
+    out, done, total = {}, 0, sum(s.nbytes for s, _ in requests)
     for s, _ in requests:  # KVCache.adopt adds the slack rows itself
         out[s.info.name] = container.array_from_bytes(container.read_block_bytes(f, s, verify=False),
                                                       s.info.dtype, s.info.shape)
+        done += s.nbytes
+        if progress:
+            progress(done, total)
     return out
 
 
