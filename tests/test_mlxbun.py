@@ -1,6 +1,7 @@
 """mlx-bun's cache files (docs/mlx-bun.md): the fixtures built byte for byte from the notes,
 mlxkv's reader and writer against them, round trips, refusals, the command line."""
 
+import ast
 import base64
 import filecmp
 import functools
@@ -481,3 +482,21 @@ def test_cli_convert_both_ways(tmp_path, capsys):
                 "--to", "mlx-bun"]) == 1
     assert "mlx-bun has no codec" in capsys.readouterr().err
     assert not (tmp_path / "t.mlxkv").exists() and not (tmp_path / "a.safetensors").exists()
+
+
+# -- layering -------------------------------------------------------------------------------------
+
+LAYERS = ["math", "caches", "batched", "codecs", "io", "state", "cli"]
+
+
+@pytest.mark.parametrize(("module", "layer"), [("io/wyhash.py", "io"), ("io/atomic.py", "io"), ("io/mlxbun.py", "io"),
+                                               ("state/mlxbun.py", "state")])
+def test_the_mlx_bun_modules_import_only_downward(module, layer):
+    """io knows no cache kind (it imports nothing above math but errors); state nothing above it."""
+    path = Path(mlxkv.__file__).parent / module
+    allowed = {"io": {"io", "errors"}, "state": set(LAYERS[: LAYERS.index("state") + 1]) | {"errors"}}[layer]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parts = (node.module or "").split(".")
+            target = parts[0] if node.level == 2 else layer
+            assert target in allowed, f"{module} imports {'.' * node.level}{node.module}"
