@@ -32,6 +32,7 @@ from .errors import (
     SnapshotError,
     SnapshotWriteError,
     UnknownKindError,
+    UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
 from .state.kinds import (
@@ -101,6 +102,7 @@ __all__ = [
     "TOVAKVCache",
     "TurboQuantKVCache",
     "UnknownKindError",
+    "UnsupportedKindError",
     "unregister_family",
     "verify",
 ]

@@ -54,3 +54,13 @@ class SnapshotWriteError(SnapshotError, OSError):
 
 class EmptyCacheError(SnapshotError):
     """Asked to snapshot caches that hold no tokens."""
+
+
+class UnsupportedKindError(SnapshotError, UnknownKindError):
+    """A snapshot names a cache kind this reader cannot restore, or caches are saved in a
+    format with no form for their kind. Both a :class:`SnapshotError` and an
+    :class:`UnknownKindError`."""
+
+    def __init__(self, kind, message: str):
+        self.kind = kind
+        MLXKVError.__init__(self, message)

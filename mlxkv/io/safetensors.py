@@ -7,13 +7,10 @@ Peak extra memory is one tensor. Header reader: every declared range is checked 
 the file before a byte of tensor data is touched (tensors are read by tensor_reader.py).
 """
 
-import contextlib
-import ctypes
 import functools
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,9 +18,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..errors import CorruptSnapshotError, SnapshotError, SnapshotWriteError
+from ..errors import CorruptSnapshotError, SnapshotError
+from .atomic import start_writeback, write_file_atomically
 
-try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD), and can combine two
+try:  # zlib-ng computes the same CRC-32 as zlib, faster (SIMD; docs/sessions.md), and can combine two
     from zlib_ng.zlib_ng import crc32, crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
     from zlib import crc32
@@ -86,49 +84,6 @@ def header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux: the final fsync does all the writing
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing ``nbytes`` at ``offset`` to the disk now, without
-    waiting, so the device works while the next tensors are produced and the final fsync
-    finds little left."""
-    if _SYNC_FILE_RANGE is not None and nbytes > 0:  # (0 would mean "to the end of the file")
-        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; advice only: no check
-
-
-def _release_cached_pages(path: str) -> None:
-    """Drop the page cache of the file about to be replaced (its bytes on disk stay).
-
-    Its cached pages are garbage once the replacement lands; released first, they are what
-    the new file's pages are taken from, instead of pages the system must find afresh while
-    the old copy is still cached (docs/sessions.md has what that changed on the benchmark
-    machine).
-    """
-    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - macOS
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # nothing there yet (or not ours to read): nothing to release
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:  # pragma: no cover - advice only
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_atomic(
     path: str,
     tensors: Sequence[tuple[str, mx.array]],
@@ -149,62 +104,30 @@ def write_atomic(
     total = start
     placeholder = header_bytes(entries, build_metadata(dict.fromkeys(entries, CRC_PLACEHOLDER)))
 
-    directory = os.path.dirname(os.path.abspath(path))
-    _release_cached_pages(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    except OSError as e:
-        raise _write_error(path, e, f"cannot create a file in {directory}") from e
-    try:
+    def fill(f) -> dict[str, str]:
         crcs, done = {}, 0
-        with os.fdopen(fd, "wb") as f:
-            f.seek(8 + len(placeholder))
-            for name, a in tensors:
-                buf = array_buffer(a)
-                crc = io_pool().submit(crc32_hex, buf)  # overlaps the write
-                f.write(buf)
-                if fsync:
-                    f.flush()
-                    _start_writeback(f.fileno(), f.tell() - buf.nbytes, buf.nbytes)
-                crcs[name] = crc.result()
-                done += buf.nbytes
-                del buf
-                if progress:
-                    progress(done, total)
-            header = header_bytes(entries, build_metadata(crcs))
-            if len(header) != len(placeholder):  # pragma: no cover - guarded by fixed widths
-                raise SnapshotError("internal error: header length changed while writing")
-            f.seek(0)
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            f.flush()
+        f.seek(8 + len(placeholder))
+        for name, a in tensors:
+            buf = array_buffer(a)
+            crc = io_pool().submit(crc32_hex, buf)  # overlaps the write
+            f.write(buf)
             if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise _write_error(path, e, "cannot write the snapshot") from e
-        raise
-    if fsync:
-        try:
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError as e:
-            raise SnapshotWriteError(
-                e.errno,
-                f"{path}: written, but syncing {directory} failed ({e.strerror or e}): "
-                "the rename may not survive a crash",
-            ) from e
-    return crcs
+                f.flush()
+                start_writeback(f.fileno(), f.tell() - buf.nbytes, buf.nbytes)
+            crcs[name] = crc.result()
+            done += buf.nbytes
+            del buf
+            if progress:
+                progress(done, total)
+        header = header_bytes(entries, build_metadata(crcs))
+        if len(header) != len(placeholder):  # pragma: no cover - guarded by fixed widths
+            raise SnapshotError("internal error: header length changed while writing")
+        f.seek(0)
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        return crcs
 
-
-def _write_error(path: str, e: OSError, what: str) -> SnapshotWriteError:
-    return SnapshotWriteError(e.errno, f"{path}: {what} ({e.strerror or e}); the file there, if any, is unchanged")
+    return write_file_atomically(path, fill, fsync)
 
 
 @dataclass

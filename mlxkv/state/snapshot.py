@@ -26,6 +26,7 @@ from ..errors import (
     SnapshotError,
 )
 from ..families import family_of_kind, family_of_persisted, kind_of
+from ..io.mlxbun import is_mlx_bun_file
 from ..io.safetensors import (
     SafetensorsHeader,
     crc32_hex,
@@ -62,21 +63,29 @@ def _is_empty(cache) -> bool:
     return cache.offset == 0
 
 
+def encode_layer(i: int, cache, tokens: list):
+    """(family, header fields, (slot, array) pairs) of layer ``i``, after the checks every
+    writer makes: a known kind, a cache that holds tokens, and an offset that is
+    ``len(tokens)`` (recurrent state has no token axis). Writes nothing."""
+    kind = kind_of(cache)
+    family = family_of_kind(kind)  # unknown kinds fail before anything is written
+    if _is_empty(cache):
+        raise EmptyCacheError(f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving")
+    if not is_recurrent_cache(cache) and cache.offset != len(tokens):
+        raise SnapshotError(
+            f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
+            "tokens must be the exact prefix the caches encode"
+        )
+    fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+    return family, fields, slots
+
+
 def _encode_all(caches, tokens):
     if not caches:
         raise EmptyCacheError("nothing to save: the cache list is empty")
     entries, tensors = [], []
     for i, cache in enumerate(caches):
-        kind = kind_of(cache)
-        family = family_of_kind(kind)  # unknown kinds fail before anything is written
-        if _is_empty(cache):
-            raise EmptyCacheError(f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving")
-        if not is_recurrent_cache(cache) and cache.offset != len(tokens):
-            raise SnapshotError(
-                f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
-                "tokens must be the exact prefix the caches encode"
-            )
-        fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+        family, fields, slots = encode_layer(i, cache, tokens)
         entry = {"kind": family.persisted, **fields, "minimumReusableOffset": cache.minimum_reusable_offset}
         pending = getattr(cache, "pending_conversion", None)
         if pending is not None:
@@ -104,12 +113,33 @@ def save(
     progress: Callable[[int, int], None] | None = None,
     fsync: bool = True,
     created_at: str | None = None,
+    format: str = "mlxkv",
 ) -> dict:
     """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
 
     Everything is checked before the file is opened; the write is atomic, so a snapshot
     already at ``path`` survives any failure. ``created_at`` pins the timestamp (fixtures).
+    ``format="mlx-bun"`` writes mlx-bun's cache-file format instead (docs/mlx-bun.md).
     """
+    if format == "mlx-bun":  # hook: mlx-bun's format lives in state/mlxbun.py
+        from .mlxbun import save_mlx_bun
+
+        return save_mlx_bun(
+            path,
+            caches,
+            tokens,
+            model_id=model_id,
+            config_fingerprint=config_fingerprint,
+            tokenizer_hash=tokenizer_hash,
+            ns=ns,
+            generation_checkpoint=generation_checkpoint,
+            attachments=attachments,
+            progress=progress,
+            fsync=fsync,
+            created_at=created_at,
+        )
+    if format != "mlxkv":
+        raise SnapshotError(f"unknown snapshot format {format!r}: 'mlxkv' or 'mlx-bun'")
     tokens = [int(t) for t in tokens]
     entries, tensors = _encode_all(list(caches), tokens)
     for _, a in tensors:
@@ -228,10 +258,14 @@ def _parse(st: SafetensorsHeader) -> dict:
 
 def read_header(path: str) -> dict:
     """The validated mlxkv header of ``path``; no tensor bytes are read."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file, translated (state/mlxbun.py)
+        from .mlxbun import read_mlx_bun_header
+
+        return read_mlx_bun_header(path)
     return _parse(read_safetensors_header(path))
 
 
-def _check_identity(path, header, expect):
+def check_identity(path, header, expect):
     for key, value in expect.items():
         if key not in IDENTITY_FIELDS:
             raise TypeError(f"load() got an unexpected expectation {key!r}")
@@ -245,7 +279,7 @@ def _check_identity(path, header, expect):
             )
 
 
-def _check_geometry(path, header, model):
+def check_geometry(path, header, model):
     geo = model_geometry(model)
     entries = header["caches"]
     if len(entries) != geo.layers:
@@ -273,11 +307,15 @@ def load(
 ) -> Snapshot:
     """Restore a snapshot. ``expect`` takes model_id, config_fingerprint, tokenizer_hash, ns;
     a given ``model`` is checked for layer count and head geometry."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
+        from .mlxbun import load_mlx_bun
+
+        return load_mlx_bun(path, model, verify=verify, progress=progress, **expect)
     st = read_safetensors_header(path)
     header = _parse(st)
-    _check_identity(path, header, expect)
+    check_identity(path, header, expect)
     if model is not None:
-        _check_geometry(path, header, model)
+        check_geometry(path, header, model)
 
     masks = ForwardMasks()
     entries = [(entry, family_of_persisted(entry["kind"]).codec) for entry in header["caches"]]
@@ -302,6 +340,10 @@ def load(
 
 def verify(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
     """Check every checksum of ``path`` without building caches; returns the header."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
+        from .mlxbun import verify_mlx_bun
+
+        return verify_mlx_bun(path, progress)
     st = read_safetensors_header(path)
     header = _parse(st)
     done, total = 0, st.file_size - st.data_start
