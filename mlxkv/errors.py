@@ -54,3 +54,8 @@ class SnapshotWriteError(SnapshotError, OSError):
 
 class EmptyCacheError(SnapshotError):
     """Asked to snapshot caches that hold no tokens."""
+
+
+class StoreCapacityError(MLXKVError):
+    """A prompt store cannot hold an entry: larger than its byte cap, or pinned entries
+    leave no room for it. Nothing is stored and nothing held is lost."""

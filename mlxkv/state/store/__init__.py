@@ -1,0 +1,6 @@
+"""The prompt store (docs/store.md): saved prefixes reused across requests, sessions and
+machines, in RAM, on disk and in Redis."""
+
+from .store import FlushReport, Hit, PromptStore
+
+__all__ = ["FlushReport", "Hit", "PromptStore"]
