@@ -207,6 +207,25 @@ class PromptStore:
     def __len__(self):
         return len(self._ram)
 
+    def entries(self) -> list[tuple]:
+        """(ns, tokens, nbytes, pinned) of every entry in RAM, least recently used first
+        (checkpoints included)."""
+        with self._cond:
+            return [(e.ns, list(e.tokens), e.nbytes, e.pinned) for e in self._ram.oldest_first()]
+
+    def shrink(self, *, n_bytes: int | None = None, n_entries: int | None = None) -> None:
+        """Evict least recently used entries now (never pinned ones, never one still being
+        written) until at most ``n_bytes`` are held and ``n_entries`` are in RAM: room an
+        engine makes for its active caches. The cap is unchanged."""
+        with self._cond:
+            for e in self._ram.oldest_first():
+                over_bytes = n_bytes is not None and self._held() > max(0, n_bytes)
+                over_count = n_entries is not None and len(self._ram) > max(0, n_entries)
+                if not (over_bytes or over_count):
+                    break
+                if not e.pinned and not self._pending(e):
+                    self._drop(e, "evicted")
+
     def _queued_only(self) -> int:
         if self._queue is None:
             return 0
