@@ -56,7 +56,7 @@ def forward(model, caches, tokens, chunk=None):
     for i in range(0, len(tokens), chunk):
         logits = model(mx.array([tokens[i : i + chunk]]), cache=caches)[0, -1]
         mx.eval(logits, [c.state for c in caches])
-    return np.array(logits.astype(mx.float32))
+    return None if logits is None else np.array(logits.astype(mx.float32))
 
 
 def continuation(model, caches, tokens):

@@ -60,6 +60,7 @@ def stream_generate(
     else:
         caches, start = make_cache(model, scheme, **(cache_options or {})), 0
     rest = tokens[start:]
+    forwarded = len(rest)
     if boundary is not False and len(rest) > 1 and (boundary or not kwargs.get("logits_processors")):
         # the same chunks mlx-lm would prefill, so the result is the same; a processor that
         # tracks the prompt (a repetition penalty) would miss them, so not then by default
@@ -73,6 +74,7 @@ def stream_generate(
             model, tokenizer, mx.array(rest), prompt_cache=caches, prefill_step_size=prefill_step_size, **kwargs
         ):
             generated.append(int(response.token))
+            response.prompt_tokens = forwarded  # mlx-lm saw only the last token of them
             yield response
     except GeneratorExit:  # the caller stopped early: the caches are whole, keep them
         raise

@@ -556,8 +556,7 @@ class PromptStore:
                 for key, entry in list(self._failed.items()):
                     if self._ram.get(key) is entry and key not in self._jobs:
                         self._jobs[key] = self._queue.submit(Job(entry))
-                        if key in self._log and self._log[key]["entry"] is entry:
-                            self._log[key]["status"] = "queued"
+                        self._log[key] = {"entry": entry, "status": "queued", "message": "", "uploaded": False}
                     del self._failed[key]
                 self._queue.wait_idle(timeout)
             report = FlushReport()
