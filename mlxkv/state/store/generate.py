@@ -8,6 +8,7 @@ it, so the prompt minus its last token is prefilled first and, when the caches c
 then, put: the boundary snapshot a later request with the same prompt reuses whole.
 """
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
@@ -88,10 +89,8 @@ def stream_generate(
 
 def _put_back(store, tokens, caches, ns):
     covered = tokens[: caches[0].offset]  # mlx-lm forwards every token it yields
-    try:
+    with contextlib.suppress(StoreCapacityError):  # larger than the store: the generation stands
         store.put(covered, caches, ns=ns)
-    except StoreCapacityError:  # larger than the whole store: the generation stands without it
-        pass
 
 
 def generate(model, tokenizer, prompt, store, *, verbose: bool = False, **kwargs) -> str:
