@@ -28,7 +28,8 @@ _SPAN = 64  # tokens compared per slice before the token-by-token finish
 
 def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     """Length of the common prefix of two token lists (known equal below ``start``)."""
-    a, b = list(a), list(b)
+    a = a if isinstance(a, list) else list(a)
+    b = b if isinstance(b, list) else list(b)
     n, i = min(len(a), len(b)), min(start, len(a), len(b))
     while i < n:  # whole slices compare at C speed
         j = min(i + _SPAN, n)

@@ -71,7 +71,7 @@ class PrefixIndex:
                 if key not in seen:
                     seen.add(key)
                     group.append((key, d, min((d + 1) * self.block - 1, self._filed[key][2])))
-            group.sort(key=lambda c: -c[2])
+            group.sort(key=lambda c: (-c[2], c[0]))  # by key on ties: the same in every process
             yield from group
 
 

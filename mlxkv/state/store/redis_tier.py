@@ -31,6 +31,8 @@ from .entry import Entry
 
 MANIFEST_VERSION = 1
 HASH_BYTES = 16  # block hashes in key names: the first 16 bytes, hex
+BATCH = 16  # manifests read per round trip of a lookup
+MAX_CANDIDATES = 64  # manifests read per lookup depth at most
 
 # delete a key only while it still holds the value read (another process may have replaced it)
 _DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -47,9 +49,10 @@ class RedisTier:
         ttl: int = 24 * 3600,
         piece_bytes: int = 1 << 20,
         lease_seconds: float = 60.0,
+        timeout: float = 10.0,
     ):
-        if isinstance(url_or_client, str):
-            self.client = redis.Redis.from_url(url_or_client)
+        if isinstance(url_or_client, str):  # a hung server must not hang a put: time out
+            self.client = redis.Redis.from_url(url_or_client, socket_timeout=timeout, socket_connect_timeout=timeout)
         else:
             self.client = url_or_client
         self.identity, self.block = identity, block
@@ -147,24 +150,33 @@ class RedisTier:
         best, best_raw, best_p, seen = None, None, better_than, set()
         limit = len(prompt) - 1
         for depth in range(len(members), 0, -1):
-            ids = [m.decode() for m in members[depth - 1] if m.decode() not in seen]
+            ids = [i for i in (m.decode() for m in members[depth - 1]) if i not in seen]
             if not ids:
                 continue
-            if min(limit, (depth + 1) * self.block - 1) <= best_p:
-                break  # no entry first met at this depth or above can be longer
+            bound = min(limit, (depth + 1) * self.block - 1)  # for every entry first met here
+            if bound <= best_p:
+                break
             seen.update(ids)
-            raws = self.client.mget([self.manifest_key(seed, i) for i in ids])
-            for raw in raws:
-                if raw is None:
-                    continue  # expired or evicted: a miss
-                try:
-                    manifest = self.parse(raw)
-                except (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackException):
-                    continue
-                header = manifest["headerDoc"]
-                p = prefix_for(header["tokens"], manifest["reuse"], prompt, 0)
-                if p is not None and p > best_p:
-                    best, best_raw, best_p = manifest, raw, p
+            # a popular prefix (a system prompt) files many entries: read their manifests a
+            # batch at a time, stop at the depth's bound, and at most MAX_CANDIDATES of them
+            for start in range(0, min(len(ids), MAX_CANDIDATES), BATCH):
+                batch = ids[start : start + BATCH]
+                raws = self.client.mget([self.manifest_key(seed, i) for i in batch])
+                gone = [i for i, raw in zip(batch, raws) if raw is None]
+                if gone:  # expired or evicted: forget them here too
+                    self.client.srem(self.block_key(seed, chain[depth - 1]), *gone)
+                for raw in raws:
+                    if raw is None:
+                        continue
+                    try:
+                        manifest = self.parse(raw)
+                    except (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+                        continue
+                    p = prefix_for(manifest["headerDoc"]["tokens"], manifest["reuse"], prompt, 0)
+                    if p is not None and p > best_p:
+                        best, best_raw, best_p = manifest, raw, p
+                if best_p >= bound:
+                    break
         return (best, best_raw, best_p) if best is not None else (None, None, 0)
 
     def parse(self, raw: bytes) -> dict:
