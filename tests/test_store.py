@@ -254,6 +254,21 @@ def test_put_keeps_nothing_of_the_callers_caches_alive_beyond_its_rows(models):
     assert same_arrays(snapshot_arrays(arrays), before)
 
 
+def test_an_entry_with_attachments_is_lent_only_whole(models):
+    """Attachments (method companion state) are never trimmed: the entry serves prompts that
+    extend it, never a shorter prefix, and does not cover its ancestors."""
+    model = models("llama")
+    tokens = prompt(30)
+    store = _store(model)
+    store.put(tokens[:20], build(model, "bf16", {}, tokens[:20], 20))
+    store.put(tokens, build(model, "bf16", {}, tokens, 30), attachments={"drafter": {"layers": 1}})
+    assert sorted(len(t) for _, t, _, _ in store.entries()) == [20, 30]
+    hit = store.take(tokens + [1])
+    assert hit.prefix_len == 30 and hit.attachments == {"drafter": {"layers": 1}}
+    hit = store.take(tokens[:25] + [1])
+    assert hit.prefix_len == 20 and hit.attachments is None  # the attached entry cannot trim to 25
+
+
 def test_tokens_are_checked(models):
     model = models("llama")
     tokens = prompt(10)

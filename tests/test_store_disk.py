@@ -338,3 +338,16 @@ def test_checkpoints_do_not_serve_prompt_reuse(models, tmp_path):
         s.save_to(store)
         assert store.take(s.tokens + [1]) is None
         forward(model, s.caches, [1])
+
+
+def test_remove_forgets_an_entry_in_every_tier(models, tmp_path):
+    model = models("llama")
+    a, b = prompt(40, seed=1), prompt(40, seed=2)
+    with _open(model, tmp_path) as s:
+        _put(s, model, a)
+        s.flush()
+        _put(s, model, b)
+        assert s.remove(a) and s.remove(b)  # b's write may still be queued or running
+        s.flush()
+        assert s.take(a + [1]) is None and s.take(b + [1]) is None and _files(s) == []
+        assert not s.remove(a)

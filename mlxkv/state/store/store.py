@@ -8,6 +8,7 @@ one) and lends copies trimmed to it; ``put`` stores caches under the tokens they
 replacing an exact duplicate and dropping entries it covers. docs/store.md has the rules.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,11 +33,13 @@ CHECKPOINT_SPACE = "\0checkpoint:"
 @dataclass
 class Hit:
     """A prefix found for a prompt: ``caches`` (lent: yours to append to) hold its first
-    ``prefix_len`` tokens; forward ``prompt[prefix_len:]``. ``tier``: ram, disk or redis."""
+    ``prefix_len`` tokens; forward ``prompt[prefix_len:]``. ``tier``: ram, disk or redis;
+    ``attachments``: what was put with the entry (only ever lent with the whole entry)."""
 
     caches: list
     prefix_len: int
     tier: str = "ram"
+    attachments: dict | None = None  # the entry's method companion state (lent whole only)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class PromptStore:
         self._jobs: dict[str, Job] = {}  # entry key -> its latest write
         self._log: dict[str, dict] = {}  # entry key -> what became of it since the last flush
         self._failed: dict[str, Entry] = {}
+        self._removed: set[Job] = set()  # running writes of removed entries
         self.stats = {"puts": 0, "hits": {"ram": 0, "disk": 0, "redis": 0}, "misses": 0, "reused_tokens": 0}
         self._closed = False
         self.disk_cap = disk_cap
@@ -368,6 +372,9 @@ class PromptStore:
             if entry is not None:
                 self._drop(entry, "removed")
                 found = True
+            job = self._jobs.get(key)
+            if job is not None and job.state == "running":
+                self._removed.add(job)  # its file goes as soon as it lands
             if self._disk is not None and self._disk.remove(key) is not None:
                 found = True
             return found
@@ -409,7 +416,7 @@ class PromptStore:
         source, p, tier = hit
         self.stats["hits"][tier] += 1
         self.stats["reused_tokens"] += p
-        return Hit(source.lend(p), p, tier)
+        return Hit(source.lend(p), p, tier, source.header.get("attachments"))
 
     def _take_shared(self, seed, prompt, chain, hit, p):
         try:
@@ -517,7 +524,11 @@ class PromptStore:
         disk = job.result.get("disk")
         if job.error is not None:
             disk = job.error
-        if isinstance(disk, Entry):
+        if isinstance(disk, Entry) and job in self._removed:
+            self._removed.discard(job)
+            with contextlib.suppress(OSError):
+                os.unlink(disk.extra["path"])
+        elif isinstance(disk, Entry):
             self._disk.add(disk)
             self._failed.pop(entry.key, None)
             # whatever this entry covers goes, now that its own file is in place
