@@ -28,6 +28,7 @@ from ...io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffe
 from ..reuse import prefix_for, probe
 from ..snapshot import META_CRC_KEY, META_KEY, parse_header
 from .entry import Entry
+from .keys import block_chain
 
 MANIFEST_VERSION = 1
 HASH_BYTES = 16  # block hashes in key names: the first 16 bytes, hex
@@ -222,11 +223,12 @@ class RedisTier:
         if not ok:
             self._delete_if_same(keys=[self.manifest_key(seed, eid)], args=[raw])
             return None
-        pipe = self.client.pipeline(transaction=False)
-        for k in [self.manifest_key(seed, eid), *keys]:
+        header = manifest["headerDoc"]
+        pipe = self.client.pipeline(transaction=False)  # read: keep it another time to live
+        blocks = [self.block_key(seed, h) for h in block_chain(seed, header["tokens"], self.block)]
+        for k in [self.manifest_key(seed, eid), *keys, *blocks]:
             pipe.expire(k, self.ttl)
         pipe.execute()
-        header = manifest["headerDoc"]
         joined: dict[str, list[bytes]] = {}
         for p, (name, _, _) in zip(pieces, manifest["pieces"]):
             joined.setdefault(name, []).append(p)
