@@ -7,8 +7,9 @@
 2. A multi-turn chat trace (conversations over shared system prompts, turns interleaved at
    random) at one byte cap: prompt tokens forwarded and bytes held, for mlx-lm's
    ``LRUPromptCache`` (with mlx-lm's own caches, as its server uses it), mlxkv's store in
-   RAM, and mlxkv's store in RAM with a disk tier. Every contender is driven the way mlx-lm's
-   server drives its prompt cache (fetch_nearest_cache, forward the rest, insert_cache).
+   RAM (least recently used first, and cost-size retention), and in RAM with a disk tier.
+   Every contender is driven the way mlx-lm's server drives its prompt cache
+   (fetch_nearest_cache, forward the rest, insert_cache).
 3. Redis vs disk: put (to durable / uploaded) and get (RAM emptied) throughput of one entry.
 
 Timings are medians over interleaved repeats with their min-max spread.
@@ -225,6 +226,16 @@ def chat(model, n_convs, turns, n_systems, cap, work):
         "peak_counted": peak,
         "held": ram.nbytes,
         "entries": len(ram),
+        "seconds": t,
+    }
+    gdsf = StorePromptCache(mlxkv.PromptStore(model, tokenizer(), cap=cap, retention="cost-size"))
+    t, (fwd, total, peak) = timed(lambda: drive(model, gdsf, lambda: mlxkv.make_cache(model, "bf16"), convs, order))
+    out["mlxkv RAM, cost-size"] = {
+        "forwarded": fwd,
+        "prompt_tokens": total,
+        "peak_counted": peak,
+        "held": gdsf.nbytes,
+        "entries": len(gdsf),
         "seconds": t,
     }
     disk_store = mlxkv.PromptStore(model, tokenizer(), cap=cap, directory=os.path.join(work, "chat"))

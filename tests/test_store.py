@@ -289,3 +289,25 @@ def test_stats_count_hits_and_reused_tokens(models):
     store.take(tokens + [1])
     store.take(prompt(30, seed=9))
     assert store.stats["hits"]["ram"] == 1 and store.stats["misses"] == 1 and store.stats["reused_tokens"] == 30
+
+
+def test_cost_size_retention_keeps_an_often_reused_prefix(models):
+    """GreedyDual-Size-Frequency (mlx-bun's cost-size policy): a small prefix lent often
+    outlives larger entries used once, where LRU lets it go; both keep the cap."""
+    model = models("llama")
+    per_token = 4 * 2 * 2 * 64 * 2
+    system = prompt(16, seed=1)
+    kept = {}
+    for policy in ("lru", "cost-size"):
+        store = _store(model, cap=140 * per_token, retention=policy)
+        store.put(system, build(model, "bf16", {}, system, 16))
+        for i in range(4):
+            assert store.take(system + prompt(3, seed=50 + i)).prefix_len == 16
+        for i in range(3):  # large, used once: they push the cap
+            big = prompt(60, seed=10 + i)
+            store.put(big, build(model, "bf16", {}, big, 60))
+            assert store.nbytes <= store.cap
+        kept[policy] = any(t == system for _, t, _, _ in store.entries())
+    assert kept == {"lru": False, "cost-size": True}
+    with pytest.raises(mlxkv.MLXKVError, match="retention must be one of"):
+        _store(model, retention="fifo")

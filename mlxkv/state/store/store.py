@@ -26,6 +26,7 @@ from .entry import Entry, freeze
 from .keys import block_chain, entry_id, identity_seed
 from .queue import Job, WriteQueue
 from .ram import RamTier
+from .retention import retention_policy
 
 CHECKPOINT_SPACE = "\0checkpoint:"
 
@@ -83,7 +84,8 @@ class PromptStore:
     ``scheme``: the cache scheme the caches are built with (entries of another never match).
     ``block_tokens``: the block of the prefix index (the shared tier finds entries sharing
     at least one whole block with a prompt). ``disk_cap``: bytes of files the disk tier may
-    keep (least recently used go first); None: no limit.
+    keep (least recently used go first); None: no limit. ``retention``: which RAM entry goes
+    first, ``"lru"`` or ``"cost-size"`` (``retention.py``).
     """
 
     def __init__(
@@ -102,12 +104,14 @@ class PromptStore:
         piece_bytes: int = 1 << 20,
         identity: dict | None = None,
         verify: bool = True,
+        retention: str = "lru",
     ):
         if not isinstance(cap, int) or cap < 0:
             raise MLXKVError(f"cap must be a number of bytes >= 0, got {cap!r}")
         if not isinstance(block_tokens, int) or block_tokens < 1:
             raise MLXKVError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
         self.model = model
+        self._policy = retention_policy(retention)
         self._cap = cap
         self.block = block_tokens
         self.verify = verify
@@ -222,13 +226,13 @@ class PromptStore:
         written) until at most ``n_bytes`` are held and ``n_entries`` are in RAM: room an
         engine makes for its active caches. The cap is unchanged."""
         with self._cond:
-            for e in self._ram.oldest_first():
-                over_bytes = n_bytes is not None and self._held() > max(0, n_bytes)
-                over_count = n_entries is not None and len(self._ram) > max(0, n_entries)
-                if not (over_bytes or over_count):
+            while (n_bytes is not None and self._held() > max(0, n_bytes)) or (
+                n_entries is not None and len(self._ram) > max(0, n_entries)
+            ):
+                victim = self._victim()
+                if victim is None:
                     break
-                if not e.pinned and not self._pending(e):
-                    self._drop(e, "evicted")
+                self._evict(victim)
 
     def _queued_only(self) -> int:
         if self._queue is None:
@@ -242,14 +246,22 @@ class PromptStore:
         job = self._jobs.get(entry.key)
         return job is not None and job.entry is entry and job.state in ("queued", "running")
 
+    def _victim(self) -> Entry | None:
+        """The entry the retention policy lets go first (never pinned, never being written)."""
+        return self._policy.victim([e for e in self._ram.entries() if not e.pinned and not self._pending(e)])
+
+    def _evict(self, entry: Entry) -> None:
+        self._policy.on_evict(entry)
+        self._drop(entry, "evicted")
+
     def _make_room(self, n: int, wait: bool, strict: bool = True) -> bool:
         """Evict (least recently used first; never pinned, never an entry still being
         written) until ``n`` more bytes fit under the cap. Waits for the writer when only
         unwritten entries are left (``wait``); False if no room can be made."""
         while self._held() + n > self._cap:
-            victim = next((e for e in self._ram.oldest_first() if not e.pinned and not self._pending(e)), None)
+            victim = self._victim()
             if victim is not None:
-                self._drop(victim, "evicted")
+                self._evict(victim)
                 continue
             if wait and self._queue is not None and not self._queue.idle:
                 self._cond.wait()
@@ -316,6 +328,7 @@ class PromptStore:
         self._make_room(entry.nbytes, wait=True)
         entry.pinned = pin
         self._ram.add(entry, chain)
+        self._policy.on_put(entry)
         self._log[entry.key] = {"entry": entry, "status": "volatile", "message": "", "uploaded": False}
         if self._queue is not None:
             self._jobs[entry.key] = self._queue.submit(Job(entry))
@@ -395,6 +408,7 @@ class PromptStore:
             entry, p = self._ram.find(ns, prompt, chain)
             if entry is not None:
                 self._ram.touch(entry.key)
+                self._policy.on_lend(entry, p)
         hit = None
         if entry is not None:
             hit = (entry, p, "ram")
@@ -414,6 +428,10 @@ class PromptStore:
             self.stats["misses"] += 1
             return None
         source, p, tier = hit
+        if tier != "ram":
+            with self._cond:
+                if self._ram.get(source.key) is source:  # promoted: this lending counts
+                    self._policy.on_lend(source, p)
         self.stats["hits"][tier] += 1
         self.stats["reused_tokens"] += p
         return Hit(source.lend(p), p, tier, source.header.get("attachments"))
@@ -450,6 +468,7 @@ class PromptStore:
                 return
             if self._make_room(entry.nbytes, wait=False, strict=False):
                 self._ram.add(entry, chain)
+                self._policy.on_put(entry)
 
     # -- checkpoints -----------------------------------------------------------------------
 
