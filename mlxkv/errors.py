@@ -64,3 +64,8 @@ class UnsupportedKindError(SnapshotError, UnknownKindError):
     def __init__(self, kind, message: str):
         self.kind = kind
         MLXKVError.__init__(self, message)
+
+
+class StoreCapacityError(MLXKVError):
+    """A prompt store cannot hold an entry: larger than its byte cap, or pinned entries
+    leave no room for it. Nothing is stored and nothing held is lost."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..caches.masks import ForwardMasks
 from ..caches.transition import Bf16FirstCache
 from ..codecs.affine import SLOTS as AFFINE_SLOTS
 from ..codecs.turboquant import SLOTS as TURBO_SLOTS
@@ -39,7 +38,7 @@ from ..io import mlxbun as container
 from ..io.tensor_reader import TensorReader
 from .identity import IDENTITY_FIELDS
 from .kinds import check_entry
-from .snapshot import Snapshot, check_geometry, check_identity, encode_layer
+from .snapshot import Snapshot, check_geometry, check_identity, decode, encode_layer
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
@@ -241,15 +240,14 @@ def load_mlx_bun(
     requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
     requests += [(s, None) for group in f.attachments for s in group]
     arrays = _read_arrays(f, requests, progress)
-    masks, caches = ForwardMasks(), []
-    for layer, codec in zip(layers, codecs):
-        # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
-        t = {ref["slot"]: arrays.pop(s.info.name) for ref, s in zip(layer.entry["tensors"], layer.slots)}
-        cache = codec.decode(layer.entry, t)
+    # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
+    by_name = {
+        ref["name"]: arrays.pop(s.info.name) for layer in layers for ref, s in zip(layer.entry["tensors"], layer.slots)
+    }
+    caches = decode({"caches": [layer.entry for layer in layers]}, by_name)
+    del by_name
+    for cache in caches:
         mx.eval(cache.state)
-        cache.minimum_reusable_offset = layer.floor
-        cache.masks = masks
-        caches.append(cache)
     attachments = [
         {
             "schema": raw["schema"],

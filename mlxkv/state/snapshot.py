@@ -99,6 +99,82 @@ def _encode_all(caches, tokens):
     return entries, tensors
 
 
+def encode(
+    caches: Sequence,
+    tokens: Sequence[int],
+    *,
+    model_id: str = "",
+    config_fingerprint: str = "",
+    tokenizer_hash: str = "",
+    ns: str = "",
+    generation_checkpoint: dict | None = None,
+    attachments: dict | None = None,
+    created_at: str | None = None,
+    extra: dict | None = None,
+) -> tuple[dict, list[tuple[str, mx.array]]]:
+    """The snapshot of ``caches`` in memory: its mlxkv header and its (name, array) tensors.
+
+    The arrays are the caches' own stored rows (views, nothing copied); each tensor entry of
+    the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``extra`` adds
+    header fields (a writer may; readers ignore fields they do not know). Everything is
+    checked here, so a write of the result fails only for file-system reasons.
+    """
+    tokens = [int(t) for t in tokens]
+    entries, tensors = _encode_all(list(caches), tokens)
+    for _, a in tensors:
+        dtype_name(a)  # unsupported dtypes fail before any file is opened
+    header = {
+        "formatVersion": FORMAT_VERSION,
+        "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "codecProvider": CODEC_PROVIDER,
+        "modelId": model_id,
+        "configFingerprint": config_fingerprint,
+        "tokenizerHash": tokenizer_hash,
+        "ns": ns,
+        "tokens": tokens,
+        "caches": entries,
+    }
+    if generation_checkpoint is not None:
+        header["generationCheckpoint"] = generation_checkpoint
+    if attachments:
+        header["attachments"] = attachments
+    for key, value in (extra or {}).items():
+        header.setdefault(key, value)
+    try:
+        json.dumps(header)
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
+    return header, tensors
+
+
+def write(
+    path: str,
+    header: dict,
+    tensors: Sequence[tuple[str, mx.array]],
+    progress: Callable[[int, int], None] | None = None,
+    fsync: bool = True,
+) -> dict:
+    """Write an encoded snapshot (``encode``'s result) atomically to ``path``; returns the
+    header as written (with every tensor's dtype, shape and CRC-32). ``header`` itself is
+    not modified."""
+    base = json.loads(json.dumps(header))
+    by_name = dict(tensors)
+    final = {}
+
+    def build(crcs: dict[str, str]) -> dict[str, str]:
+        for entry in base["caches"]:
+            for t in entry["tensors"]:
+                a = by_name[t["name"]]
+                t["dtype"], t["shape"] = dtype_name(a), list(a.shape)
+                t["crc32"] = crcs[t["name"]]
+        text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
+        final["header"] = base
+        return {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
+
+    write_atomic(path, tensors, build, progress=progress, fsync=fsync)
+    return final["header"]
+
+
 def save(
     path: str,
     caches: Sequence,
@@ -140,45 +216,18 @@ def save(
         )
     if format != "mlxkv":
         raise SnapshotError(f"unknown snapshot format {format!r}: 'mlxkv' or 'mlx-bun'")
-    tokens = [int(t) for t in tokens]
-    entries, tensors = _encode_all(list(caches), tokens)
-    for _, a in tensors:
-        dtype_name(a)  # unsupported dtypes fail before the file is opened
-    by_name = dict(tensors)
-    base = {
-        "formatVersion": FORMAT_VERSION,
-        "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "codecProvider": CODEC_PROVIDER,
-        "modelId": model_id,
-        "configFingerprint": config_fingerprint,
-        "tokenizerHash": tokenizer_hash,
-        "ns": ns,
-        "tokens": tokens,
-        "caches": entries,
-    }
-    if generation_checkpoint is not None:
-        base["generationCheckpoint"] = generation_checkpoint
-    if attachments:
-        base["attachments"] = attachments
-    try:
-        json.dumps(base)
-    except (TypeError, ValueError) as e:
-        raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
-
-    final = {}
-
-    def build(crcs: dict[str, str]) -> dict[str, str]:
-        for entry in entries:
-            for t in entry["tensors"]:
-                a = by_name[t["name"]]
-                t["dtype"], t["shape"] = dtype_name(a), list(a.shape)
-                t["crc32"] = crcs[t["name"]]
-        text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
-        final["header"] = base
-        return {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
-
-    write_atomic(path, tensors, build, progress=progress, fsync=fsync)
-    return final["header"]
+    header, tensors = encode(
+        caches,
+        tokens,
+        model_id=model_id,
+        config_fingerprint=config_fingerprint,
+        tokenizer_hash=tokenizer_hash,
+        ns=ns,
+        generation_checkpoint=generation_checkpoint,
+        attachments=attachments,
+        created_at=created_at,
+    )
+    return write(path, header, tensors, progress=progress, fsync=fsync)
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -256,6 +305,12 @@ def _parse(st: SafetensorsHeader) -> dict:
     return header
 
 
+def parse_header(st: SafetensorsHeader) -> dict:
+    """Every header check of section 8 of docs/format.md over a safetensors header (a file's,
+    or one a prompt store's shared tier assembled from a manifest); returns the mlxkv header."""
+    return _parse(st)
+
+
 def read_header(path: str) -> dict:
     """The validated mlxkv header of ``path``; no tensor bytes are read."""
     if is_mlx_bun_file(path):  # hook: an mlx-bun file, translated (state/mlxbun.py)
@@ -297,6 +352,50 @@ def check_geometry(path, header, model):
             )
 
 
+def read(
+    path: str,
+    model=None,
+    *,
+    verify: bool = True,
+    slack: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    **expect,
+) -> tuple[dict, dict[str, mx.array]]:
+    """The checked header of ``path`` and its tensors by name, before any cache is built.
+
+    ``slack`` gives growing caches their restore capacity (``Codec.capacity``); without it
+    every tensor holds exactly its stored rows (a prompt store keeps them so)."""
+    st = read_safetensors_header(path)
+    header = _parse(st)
+    check_identity(path, header, expect)
+    if model is not None:
+        check_geometry(path, header, model)
+    with TensorReader(st) as reader:
+        requests = []
+        for entry in header["caches"]:
+            rows = family_of_persisted(entry["kind"]).codec.capacity(entry) if slack else None
+            requests += [(t["name"], t["crc32"] if verify else None, rows) for t in entry["tensors"]]
+        arrays = reader.read_all(requests, progress)
+    return header, arrays
+
+
+def decode(header: dict, arrays: dict[str, mx.array]) -> list:
+    """Live caches from a checked header and its tensors by name (one shared masks object).
+
+    The caches hold the given arrays as they are; nothing is evaluated or copied."""
+    masks = ForwardMasks()
+    caches = []
+    for entry in header["caches"]:
+        codec = family_of_persisted(entry["kind"]).codec
+        cache = codec.decode(entry, {t["slot"]: arrays[t["name"]] for t in entry["tensors"]})
+        cache.minimum_reusable_offset = entry["minimumReusableOffset"]
+        if "pendingConversion" in entry:
+            cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
+        cache.masks = masks
+        caches.append(cache)
+    return caches
+
+
 def load(
     path: str,
     model=None,
@@ -311,30 +410,11 @@ def load(
         from .mlxbun import load_mlx_bun
 
         return load_mlx_bun(path, model, verify=verify, progress=progress, **expect)
-    st = read_safetensors_header(path)
-    header = _parse(st)
-    check_identity(path, header, expect)
-    if model is not None:
-        check_geometry(path, header, model)
-
-    masks = ForwardMasks()
-    entries = [(entry, family_of_persisted(entry["kind"]).codec) for entry in header["caches"]]
-    with TensorReader(st) as reader:
-        requests = [
-            (t["name"], t["crc32"] if verify else None, codec.capacity(entry))
-            for entry, codec in entries
-            for t in entry["tensors"]
-        ]
-        arrays = reader.read_all(requests, progress)
-    caches = []
-    for entry, codec in entries:
-        cache = codec.decode(entry, {t["slot"]: arrays.pop(t["name"]) for t in entry["tensors"]})
+    header, arrays = read(path, model, verify=verify, progress=progress, **expect)
+    caches = decode(header, arrays)
+    del arrays
+    for cache in caches:
         mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
-        cache.minimum_reusable_offset = entry["minimumReusableOffset"]
-        if "pendingConversion" in entry:
-            cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
-        cache.masks = masks
-        caches.append(cache)
     return Snapshot(caches, list(header["tokens"]), header, path)
 
 
