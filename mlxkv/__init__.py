@@ -31,8 +31,9 @@ from .errors import (
     SchemeError,
     SnapshotError,
     SnapshotWriteError,
+    StoreCapacityError,
     UnknownKindError,
-    UnknownSnapshotKindError,
+    UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
 from .state.kinds import (
@@ -47,6 +48,7 @@ from .state.kinds import (
 from .state.prompt_cache import convert_prompt_cache, read_prompt_cache
 from .state.session import Sampler, Session
 from .state.snapshot import Snapshot, load, read_header, save, verify
+from .state.store import FlushReport, Hit, PromptStore
 
 __version__ = "0.1.0"
 
@@ -67,8 +69,10 @@ __all__ = [
     "filter_model_rows",
     "filter_rows",
     "FLAG",
+    "FlushReport",
     "FormatVersionError",
     "GeometryMismatchError",
+    "Hit",
     "IdentityMismatchError",
     "is_eviction_cache",
     "is_plain_kv_cache",
@@ -82,6 +86,7 @@ __all__ = [
     "make_cache",
     "merge_model_rows",
     "merge_rows",
+    "PromptStore",
     "MLXKVError",
     "QFiltersKVCache",
     "QuantizedKVCache",
@@ -99,10 +104,11 @@ __all__ = [
     "Snapshot",
     "SnapshotError",
     "SnapshotWriteError",
+    "StoreCapacityError",
     "TOVAKVCache",
     "TurboQuantKVCache",
     "UnknownKindError",
-    "UnknownSnapshotKindError",
+    "UnsupportedKindError",
     "unregister_family",
     "verify",
 ]

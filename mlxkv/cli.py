@@ -96,9 +96,12 @@ def layers_by_kind(kinds: list[str]) -> str:
 
 
 def cmd_inspect(args) -> int:
+    from .io.mlxbun import is_mlx_bun_file
     from .io.safetensors import SafetensorsFile
     from .state.header import check_header
 
+    if is_mlx_bun_file(args.file):  # hook: mlx-bun's format (state/mlxbun.py describes it)
+        return _inspect_mlx_bun(args.file)
     with SafetensorsFile(args.file) as file:  # one file, however the path is renamed over
         st = file.header
         header = check_header(st)
@@ -117,7 +120,10 @@ def cmd_inspect(args) -> int:
         ("tokens", f"{len(tokens)} [{shown}]"),
     ]
     cp = header.get("generationCheckpoint")
-    if cp is not None:
+    if isinstance(cp, dict) and not {"promptTokens", "generatedTokens", "sampler"} <= set(cp):
+        # a checkpoint in another engine's shape (e.g. converted from mlx-bun): shown as stored
+        general.append(("generationCheckpoint", json.dumps(cp, separators=(",", ":"))))
+    elif cp is not None:
         general.append(
             (
                 "generationCheckpoint",
@@ -152,17 +158,31 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _inspect_mlx_bun(path: str) -> int:
+    from .state.mlxbun import describe
+
+    general, headers, rows = describe(path)
+    width = max(len(k) for k, _ in general)
+    for k, v in general:
+        print(f"{k.ljust(width)}  {v}")
+    print()
+    print_table(headers, rows, out=sys.stdout)
+    return 0
+
+
 def cmd_verify(args) -> int:
     from .state.snapshot import verify
 
     size = os.path.getsize(args.file) if os.path.exists(args.file) else 0
     header = verify(args.file, progress=Progress("verifying"))
     n = sum(len(e["tensors"]) for e in header["caches"])
-    print(f"ok: {args.file}: {n} tensors in {len(header['caches'])} layers, {size} bytes, every checksum matches")
+    fmt = f"mlx-bun format v{header['formatVersion']}, " if header.get("codecProvider") == "mlx-bun" else ""
+    print(f"ok: {args.file}: {fmt}{n} tensors in {len(header['caches'])} layers, {size} bytes, every checksum matches")
     return 0
 
 
 def cmd_convert(args) -> int:
+    from .state.mlxbun import convert_snapshot, file_format
     from .state.prompt_cache import convert_prompt_cache, parse_tokens
 
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
@@ -171,10 +191,18 @@ def cmd_convert(args) -> int:
         for k in ("model_id", "config_fingerprint", "tokenizer_hash", "ns")
         if getattr(args, k) is not None
     }
-    header = convert_prompt_cache(args.src, args.dst, tokens=tokens, progress=Progress("writing"), **identity)
+    src_format = file_format(args.src)  # hook: mlxkv and mlx-bun snapshots convert either way
+    if src_format != "mlx-lm":
+        if tokens is not None:
+            raise MLXKVError(f"{args.src} is an {src_format} snapshot, which records its tokens: drop --tokens")
+        header = convert_snapshot(args.src, args.dst, to=args.to, progress=Progress("writing"), **identity)
+    else:
+        header = convert_prompt_cache(
+            args.src, args.dst, tokens=tokens, progress=Progress("writing"), format=args.to, **identity
+        )
     kinds = [e["kind"] for e in header["caches"]]
     print(
-        f"wrote {args.dst}: {len(kinds)} layers ({layers_by_kind(kinds)}), "
+        f"wrote {args.dst} ({args.to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
         f"{len(header['tokens'])} tokens, {os.path.getsize(args.dst)} bytes"
     )
     return 0
@@ -405,9 +433,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("file")
     v.set_defaults(func=cmd_verify)
 
-    c = sub.add_parser("convert", help="mlx-lm prompt-cache file -> mlxkv snapshot")
+    c = sub.add_parser(
+        "convert", help="mlx-lm prompt-cache file, mlxkv snapshot or mlx-bun cache file -> mlxkv or mlx-bun"
+    )
     c.add_argument("src")
     c.add_argument("dst")
+    c.add_argument(
+        "--to",
+        choices=("mlxkv", "mlx-bun"),
+        default="mlxkv",
+        help="the format to write: an mlxkv snapshot (default) or an mlx-bun cache file (docs/mlx-bun.md)",
+    )
     c.add_argument(
         "--tokens",
         help="the token ids the cache covers: '1,2,3', '1 2 3', a JSON list, or @file "

@@ -56,6 +56,16 @@ class EmptyCacheError(SnapshotError):
     """Asked to snapshot caches that hold no tokens."""
 
 
-class UnknownSnapshotKindError(UnknownKindError, SnapshotError):
-    """A snapshot whose header names a persisted kind no family handles: both an
-    :class:`UnknownKindError` and, as every refusal of a file, a :class:`SnapshotError`."""
+class UnsupportedKindError(SnapshotError, UnknownKindError):
+    """A snapshot names a cache kind this reader cannot restore, or caches are saved in a
+    format with no form for their kind. Both a :class:`SnapshotError` and an
+    :class:`UnknownKindError`."""
+
+    def __init__(self, kind, message: str):
+        self.kind = kind
+        MLXKVError.__init__(self, message)
+
+
+class StoreCapacityError(MLXKVError):
+    """A prompt store cannot hold an entry: larger than its byte cap, or pinned entries
+    leave no room for it. Nothing is stored and nothing held is lost."""

@@ -17,7 +17,7 @@ An unknown kind is a bug, not a route: every lookup raises
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .errors import UnknownKindError, UnknownSnapshotKindError
+from .errors import UnknownKindError, UnsupportedKindError
 
 #: field types of header entries: an integer >= 0, +1 or -1, a JSON bool
 COUNT, SIGN, FLAG = "count", "sign", "flag"
@@ -111,7 +111,8 @@ def family_of_persisted(persisted, where: str = "persisted kind in a snapshot he
     for f in _FAMILIES:
         if f.persisted == persisted:
             return f
-    raise UnknownSnapshotKindError(persisted, where, known_persisted_kinds())
+    # a refusal of a file: a SnapshotError too
+    raise UnsupportedKindError(persisted, str(_unknown(persisted, where)))
 
 
 def family_of_batched_kind(kind: str) -> Family:

@@ -270,6 +270,31 @@ def fresh(directory: str, processes: int, parallel: int) -> dict:
     }
 
 
+LOCK_AND_DIE = r"""
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("temporaries", sys.argv[1])
+temporaries = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(temporaries)
+for _ in range(int(sys.argv[3])):
+    pid = os.fork()
+    if pid == 0:
+        fd, tmp = temporaries.create(sys.argv[2])
+        os.write(fd, b"half a snapshot")
+        os.kill(os.getpid(), signal.SIGKILL)  # dies holding its lock, like a killed writer
+    os.waitpid(pid, 0)
+"""
+
+
+def killed_writers(target: str, n: int) -> list[str]:
+    """Leave the temporaries of ``n`` writers of ``target`` SIGKILLed mid-write (forked from
+    a small process that imports only io/temporaries.py); returns the directory's
+    temporaries afterwards."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    module = os.path.join(here, "mlxkv", "io", "temporaries.py")
+    subprocess.run([sys.executable, "-c", LOCK_AND_DIE, module, target, str(n)], check=True)
+    return _temporaries(os.path.dirname(target))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=("crash", "concurrency", "fresh"))

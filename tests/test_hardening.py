@@ -13,6 +13,7 @@ import pytest
 from conftest import run
 from fuzzing import Parts, deep, join
 from helpers import data_start, read_raw
+from stress import killed_writers
 
 import mlxkv
 from mlxkv.errors import CorruptSnapshotError, IdentityMismatchError, SnapshotError
@@ -343,36 +344,18 @@ def test_mlx_has_released_the_stream_when_a_load_returns(llama_file, monkeypatch
 
 # -- 6. temporaries of killed writers are removed -------------------------------------------------
 
-LOCK_AND_DIE = r"""
-import importlib.util, os, signal, sys
-spec = importlib.util.spec_from_file_location("temporaries", sys.argv[1])
-temporaries = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(temporaries)
-for _ in range(int(sys.argv[3])):
-    pid = os.fork()
-    if pid == 0:
-        fd, tmp = temporaries.create(sys.argv[2])
-        os.write(fd, b"half a snapshot")
-        os.kill(os.getpid(), signal.SIGKILL)  # dies holding its lock, like a killed writer
-    os.waitpid(pid, 0)
-"""
-
 
 def test_a_save_removes_the_temporaries_of_writers_killed_before(llama_file, monkeypatch):
     directory = os.path.dirname(llama_file)
 
-    def killed_writers(n):
-        subprocess.run([sys.executable, "-c", LOCK_AND_DIE, temporaries.__file__, llama_file, str(n)], check=True)
-        return [f for f in os.listdir(directory) if temporaries.MARK in f]
-
-    left = killed_writers(100)
+    left = killed_writers(llama_file, 100)
     assert len(left) == 100 and all(f.startswith(".s.safetensors.mlxkv-tmp.") for f in left)
     snap = mlxkv.load(llama_file)
     monkeypatch.setattr(temporaries, "_scanned", {})  # this process has not listed the directory yet
     mlxkv.save(llama_file, snap.caches, snap.tokens)
     assert [f for f in os.listdir(directory) if temporaries.MARK in f] == []
     # a process lists a directory at most once a minute: the next save within it does not
-    assert len(killed_writers(1)) == 1
+    assert len(killed_writers(llama_file, 1)) == 1
     mlxkv.save(llama_file, snap.caches, snap.tokens)
     assert len([f for f in os.listdir(directory) if temporaries.MARK in f]) == 1
     monkeypatch.setattr(

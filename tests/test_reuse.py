@@ -16,10 +16,11 @@ def test_reused_prefix_gives_the_logits_of_a_fresh_prefill(models):
     caches = make_cache(model, "bf16")
     run(model, caches, entry)
     new_prompt = entry[:15] + prompt(6, seed=9)
-    rest, p = reuse_prefix(entry, caches, new_prompt)
-    assert p == 15 and rest == new_prompt[15:] and caches[0].offset == 15
+    lent, rest, p = reuse_prefix(entry, caches, new_prompt)
+    assert p == 15 and rest == new_prompt[15:] and lent[0].offset == 15
+    assert caches[0].offset == 20  # the donor is untouched
     fresh = make_cache(model, "bf16")
-    assert mx.array_equal(run(model, caches, rest), run(model, fresh, new_prompt))
+    assert mx.array_equal(run(model, lent, rest), run(model, fresh, new_prompt))
 
 
 def test_at_least_one_token_is_forwarded(models):
@@ -28,8 +29,8 @@ def test_at_least_one_token_is_forwarded(models):
     caches = make_cache(model, "bf16")
     run(model, caches, entry)
     assert usable_prefix(entry, caches, entry) == 9
-    rest, p = reuse_prefix(entry, caches, entry)
-    assert rest == entry[9:] and caches[0].offset == 9
+    lent, rest, p = reuse_prefix(entry, caches, entry)
+    assert rest == entry[9:] and lent[0].offset == 9 and caches[0].offset == 10
 
 
 def test_minimum_reusable_offset_and_untrimmable_caches(models):

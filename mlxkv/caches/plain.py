@@ -26,11 +26,12 @@ class KVCache(CacheContract, mlx_cache.KVCache):
         the next append writes in place."""
         return (offset // cls.step + 1) * cls.step
 
-    def adopt(self, keys: mx.array, values: mx.array, offset: int):
-        """Take ``keys``/``values`` whose first ``offset`` rows are the cache; rows short of
-        ``capacity_for(offset)`` are added as zero slack."""
+    def adopt(self, keys: mx.array, values: mx.array, offset: int, slack: bool = True):
+        """Take ``keys``/``values`` whose first ``offset`` rows are the cache; with ``slack``,
+        rows short of ``capacity_for(offset)`` are added as zero slack (a copy); without it
+        the arrays are held as given and the first append that needs room grows them."""
         B, H, T, _ = keys.shape
-        pad = self.capacity_for(offset) - T
+        pad = self.capacity_for(offset) - T if slack else 0
 
         def grow(a):
             if pad <= 0:

@@ -24,7 +24,9 @@ class PlainCodec(Codec):
         return KVCache.capacity_for(entry["offset"])
 
     def decode(self, entry, tensors):
-        return KVCache().adopt(tensors["keys"], tensors["values"], entry["offset"])
+        # held as given: a reader allocated ``capacity`` rows already; arrays lent from
+        # memory stay exact and are grown (copied) by the first append, never written into
+        return KVCache().adopt(tensors["keys"], tensors["values"], entry["offset"], slack=False)
 
     def geometry(self, entry, shapes):
         return shapes["keys"][1], shapes["keys"][3]

@@ -8,8 +8,6 @@ the file, with exact integer arithmetic, before a byte of tensor data is touched
 is opened once and every later read goes through that descriptor (tensor_reader.py).
 """
 
-import contextlib
-import ctypes
 import functools
 import json
 import math
@@ -24,10 +22,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..checks import is_count
-from ..errors import CorruptSnapshotError, SnapshotError, SnapshotWriteError
-from . import strict_json, temporaries
+from ..errors import CorruptSnapshotError, SnapshotError
+from . import strict_json
+from .atomic import start_writeback, write_file_atomically
 
-try:  # zlib-ng computes the same CRC-32 as zlib, about 7x faster (SIMD), and can combine two
+try:  # zlib-ng computes the same CRC-32 as zlib, faster (SIMD; docs/sessions.md), and can combine two
     from zlib_ng.zlib_ng import crc32, crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
     from zlib import crc32
@@ -101,49 +100,6 @@ def header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux: the final fsync does all the writing
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing ``nbytes`` at ``offset`` to the disk now, without
-    waiting, so the device works while the next tensors are produced and the final fsync
-    finds little left."""
-    if _SYNC_FILE_RANGE is not None and nbytes > 0:  # (0 would mean "to the end of the file")
-        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; advice only: no check
-
-
-def _release_cached_pages(path: str) -> None:
-    """Drop the page cache of the file about to be replaced (its bytes on disk stay).
-
-    Its cached pages are garbage once the replacement lands; released first, they are what
-    the new file's pages are taken from, instead of pages the system must find afresh while
-    the old copy is still cached (docs/sessions.md has what that changed on the benchmark
-    machine).
-    """
-    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - macOS
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return  # nothing there yet (or not ours to read): nothing to release
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:  # pragma: no cover - advice only
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_atomic(
     path: str,
     tensors: Sequence[tuple[str, mx.array]],
@@ -154,9 +110,8 @@ def write_atomic(
     """Write a safetensors file atomically at ``path``; returns name -> crc32 hex.
 
     ``build_metadata(crcs)`` must give a header of the same length for the placeholder
-    checksums and the real ones (fixed-width hex does). The temporary file beside ``path``
-    is locked while it is written (temporaries.py); the stale ones of writers that died in
-    the same directory are removed on the way (at most once a minute per directory).
+    checksums and the real ones (fixed-width hex does). Arrays a reader would refuse are
+    refused before anything is written.
     """
     entries, start = {}, 0
     for name, a in tensors:
@@ -167,63 +122,30 @@ def write_atomic(
     total = start
     placeholder = header_bytes(entries, build_metadata(dict.fromkeys(entries, CRC_PLACEHOLDER)))
 
-    directory = os.path.dirname(os.path.abspath(path))
-    _release_cached_pages(path)
-    try:
-        fd, tmp = temporaries.create(path)
-    except OSError as e:
-        raise _write_error(path, e, f"cannot create a file in {directory}") from e
-    temporaries.remove_stale_now_and_then(directory)
-    try:
+    def fill(f) -> dict[str, str]:
         crcs, done = {}, 0
-        with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
-            f.seek(8 + len(placeholder))
-            for name, a in tensors:
-                buf = array_buffer(a)
-                crc = io_pool().submit(crc32_hex, buf)  # overlaps the write
-                f.write(buf)
-                if fsync:
-                    f.flush()
-                    _start_writeback(f.fileno(), f.tell() - buf.nbytes, buf.nbytes)
-                crcs[name] = crc.result()
-                done += buf.nbytes
-                del buf
-                if progress:
-                    progress(done, total)
-            header = header_bytes(entries, build_metadata(crcs))
-            if len(header) != len(placeholder):  # pragma: no cover - guarded by fixed widths
-                raise SnapshotError("internal error: header length changed while writing")
-            f.seek(0)
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            f.flush()
+        f.seek(8 + len(placeholder))
+        for name, a in tensors:
+            buf = array_buffer(a)
+            crc = io_pool().submit(crc32_hex, buf)  # overlaps the write
+            f.write(buf)
             if fsync:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise _write_error(path, e, "cannot write the snapshot") from e
-        raise
-    if fsync:
-        try:
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError as e:
-            raise SnapshotWriteError(
-                e.errno,
-                f"{path}: written, but syncing {directory} failed ({e.strerror or e}): "
-                "the rename may not survive a crash",
-            ) from e
-    return crcs
+                f.flush()
+                start_writeback(f.fileno(), f.tell() - buf.nbytes, buf.nbytes)
+            crcs[name] = crc.result()
+            done += buf.nbytes
+            del buf
+            if progress:
+                progress(done, total)
+        header = header_bytes(entries, build_metadata(crcs))
+        if len(header) != len(placeholder):  # pragma: no cover - guarded by fixed widths
+            raise SnapshotError("internal error: header length changed while writing")
+        f.seek(0)
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        return crcs
 
-
-def _write_error(path: str, e: OSError, what: str) -> SnapshotWriteError:
-    return SnapshotWriteError(e.errno, f"{path}: {what} ({e.strerror or e}); the file there, if any, is unchanged")
+    return write_file_atomically(path, fill, fsync)
 
 
 @dataclass

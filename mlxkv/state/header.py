@@ -108,7 +108,7 @@ def _check_pending(path: str, i: int, pending) -> None:
 
 
 def check_header(st: SafetensorsHeader) -> dict:
-    """The validated mlxkv header of a checked safetensors header (steps 9-20)."""
+    """The validated mlxkv header of a checked safetensors header (steps 9-19)."""
     path = st.path
     text, crc, suspicious = _checked_text(st)
     header = strict_json.loads(text, f"{path}: snapshot header")

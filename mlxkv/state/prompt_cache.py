@@ -354,9 +354,11 @@ def convert_prompt_cache(
     dst: str,
     tokens: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    format: str = "mlxkv",
     **identity,
 ) -> dict:
-    """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``.
+    """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``
+    (``format="mlx-bun"``: into an mlx-bun cache file).
 
     The snapshot records the exact tokens its caches cover, which mlx-lm files do not:
     they come from ``tokens`` or else from a ``tokens`` entry (a JSON list) in the file's
@@ -379,4 +381,4 @@ def convert_prompt_cache(
             "1,2,3` / `--tokens @ids.json`)"
         )
     identity.setdefault("model_id", pc.metadata.get("model", ""))
-    return save(dst, pc.caches, pc.tokens, progress=progress, **identity)
+    return save(dst, pc.caches, pc.tokens, progress=progress, format=format, **identity)

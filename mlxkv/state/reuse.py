@@ -1,55 +1,145 @@
-"""Trim and prefix-reuse rules (docs/caches.md, "Trim and reuse").
+"""Prefix reuse: which stored prefix may serve a prompt, and lending it without consuming it.
 
 A stored entry (caches + the tokens they encode) can serve a new prompt from position
 ``p = min(common_prefix, len(prompt) - 1)``: at least one prompt token is always forwarded so
 the model produces logits. It is usable only if ``p >= minimum_reusable_offset`` of every
 cache, and either ``p`` is the whole entry or every cache can be trimmed back to ``p`` and no
-method attachment rides on the entry (attachments are never trimmed).
+method attachment rides on the entry (attachments are never trimmed). That is the whole rule
+(:func:`prefix_for`); every store tier and every caller applies it through this module, and
+knows of a cache only its ``minimum_reusable_offset`` and ``is_trimmable()``.
+
+Reuse lends: :func:`lend` builds new caches trimmed to ``p`` over views of the donor's
+arrays. MLX arrays are values: an append to a lent cache makes new arrays (a growing append
+concatenates; a write into a row the lent cache already holds copies the buffer, because
+the donor still holds it), so the donor's bytes never change.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
 
 from ..errors import MLXKVError
+from ..io.safetensors import DTYPES
+from .snapshot import decode, encode
+
+_SPAN = 64  # tokens compared per slice before the token-by-token finish
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of two token lists (known equal below ``start``)."""
+    a = a if isinstance(a, list) else list(a)
+    b = b if isinstance(b, list) else list(b)
+    n, i = min(len(a), len(b)), min(start, len(a), len(b))
+    while i < n:  # whole slices compare at C speed
+        j = min(i + _SPAN, n)
+        if a[i:j] != b[i:j]:
             break
-        n += 1
-    return n
+        i = j
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What the prefix rule needs of an entry: the highest ``minimum_reusable_offset`` of its
+    caches, and whether it can be trimmed (every cache trimmable, no attachment)."""
+
+    floor: int
+    trimmable: bool
+
+
+def reuse_of(caches: Sequence, attachments: dict | None = None) -> Reuse:
+    floor = max((int(c.minimum_reusable_offset) for c in caches), default=0)
+    return Reuse(floor, not attachments and all(c.is_trimmable() for c in caches))
+
+
+def prefix_for(entry_tokens: Sequence[int], reuse: Reuse, prompt: Sequence[int], start: int = 0) -> int | None:
+    """How many positions of the entry the prompt may reuse, or None if it may not.
+    ``start``: tokens already known to agree (a block index found them)."""
+    if not prompt:
+        return None
+    p = min(common_prefix(entry_tokens, prompt, start), len(prompt) - 1)
+    if p <= 0 or p < reuse.floor:
+        return None
+    if p == len(entry_tokens) or reuse.trimmable:
+        return p
+    return None
 
 
 def usable_prefix(
     entry_tokens: Sequence[int], caches: Sequence, prompt: Sequence[int], attachments: dict | None = None
 ) -> int | None:
-    """How many positions of the entry the prompt may reuse, or None if it may not."""
-    if not prompt:
-        return None
-    p = min(common_prefix(entry_tokens, prompt), len(prompt) - 1)
-    if p <= 0 or any(p < c.minimum_reusable_offset for c in caches):
-        return None
-    if p == len(entry_tokens):
-        return p
-    if attachments or not all(c.is_trimmable() for c in caches):
-        return None
-    return p
+    """:func:`prefix_for` of live caches."""
+    return prefix_for(entry_tokens, reuse_of(caches, attachments), prompt)
+
+
+def covers(new_tokens: Sequence[int], new: Reuse, old_tokens: Sequence[int], old: Reuse) -> bool:
+    """Can the entry ``new`` serve every prompt the shorter entry ``old`` can serve, at
+    least as long a prefix? Then ``old`` is redundant (a store drops it). ``old`` serves
+    prefixes from ``max(old.floor, 1)`` to its length (only its length when it cannot trim);
+    ``new`` serves a shorter prefix only if it trims, and not below its floor."""
+    n = len(old_tokens)
+    if n >= len(new_tokens) or not new.trimmable or common_prefix(new_tokens, old_tokens) < n:
+        return False
+    lowest = max(old.floor, 1) if old.trimmable else n
+    return new.floor <= lowest
+
+
+def lend(header: dict, arrays: dict[str, mx.array], p: int) -> list:
+    """New caches holding the first ``p`` positions of an encoded snapshot (``header`` and its
+    tensors by name, as ``snapshot.encode`` or ``snapshot.read`` give them), over views of
+    ``arrays``: nothing is copied, and nothing a lent cache does changes ``arrays``.
+
+    ``p`` must be the whole snapshot or a prefix every cache can trim to (``prefix_for``
+    decided so); each cache trims by its own rule."""
+    views = {name: a[...] for name, a in arrays.items()}  # new array objects: setitem stays local
+    caches = decode(header, views)
+    drop = len(header["tokens"]) - p
+    if drop == 0:
+        return caches
+    for c in caches:
+        if c.trim(drop) != drop:
+            raise MLXKVError(f"a {c.kind} cache cannot trim {drop} positions: this entry cannot serve a prefix of {p}")
+    # keep only the rows the prefix holds (an exact view each), so a lent cache never
+    # carries the donor's longer tail
+    trimmed, tensors = encode(caches, header["tokens"][:p], **_identity(header))
+    return decode(trimmed, dict(tensors))
 
 
 def reuse_prefix(
     entry_tokens: Sequence[int], caches: Sequence, prompt: Sequence[int], attachments: dict | None = None
-) -> tuple[list[int], int]:
-    """Trim ``caches`` in place to the usable prefix; returns (tokens still to forward, p)."""
+) -> tuple[list, list[int], int]:
+    """Lend the usable prefix of live ``caches`` to ``prompt``: returns (new caches trimmed
+    to p, the prompt tokens still to forward, p). ``caches`` are not modified."""
     p = usable_prefix(entry_tokens, caches, prompt, attachments)
     if p is None:
         raise MLXKVError(
             "this entry cannot serve the prompt: no usable prefix (it diverges at token 0, would "
             "need a trim below minimum_reusable_offset, or needs a trim the caches cannot make)"
         )
-    drop = len(entry_tokens) - p
-    if drop:
-        for c in caches:
-            if c.trim(drop) != drop:  # pragma: no cover - usable_prefix checked trimmability
-                raise MLXKVError(f"{c.kind} refused to trim {drop} positions")
-    return list(prompt[p:]), p
+    header, tensors = encode(caches, entry_tokens)
+    return lend(header, dict(tensors), p), list(prompt[p:]), p
+
+
+def probe(header: dict) -> Reuse:
+    """:class:`Reuse` of a checked snapshot header without its tensors: the caches are
+    built over placeholders that are never evaluated (no byte is allocated or read)."""
+    placeholders = {}
+    for entry in header["caches"]:
+        for t in entry["tensors"]:
+            dtype = DTYPES[t["dtype"]][0]
+            placeholders[t["name"]] = mx.broadcast_to(mx.zeros((), dtype), t["shape"])
+    return reuse_of(decode(header, placeholders), header.get("attachments"))
+
+
+def _identity(header: dict) -> dict:
+    return {
+        "model_id": header.get("modelId", ""),
+        "config_fingerprint": header.get("configFingerprint", ""),
+        "tokenizer_hash": header.get("tokenizerHash", ""),
+        "ns": header.get("ns", ""),
+        "attachments": header.get("attachments"),
+        "created_at": header.get("createdAt"),
+    }

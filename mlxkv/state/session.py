@@ -217,6 +217,12 @@ class Session:
             **identity,
         )
 
+    def save_to(self, store, *, ns: str = "") -> None:
+        """Put this checkpoint into a prompt store (``PromptStore.put_checkpoint``): a
+        longer checkpoint of the same generation replaces shorter ones, and
+        ``store.find_checkpoint(prompt, sampler)`` resumes it."""
+        store.put_checkpoint(self, ns=ns)
+
     @classmethod
     def restore(
         cls, path: str, model, progress=None, verify: bool = True, allow_other_model: bool = False, **expect

@@ -26,6 +26,7 @@ from ..errors import (
     SnapshotError,
 )
 from ..families import family_of_kind, family_of_persisted, kind_of
+from ..io.mlxbun import is_mlx_bun_file
 from ..io.safetensors import (
     CRC_PLACEHOLDER,
     SafetensorsFile,
@@ -67,21 +68,29 @@ def _is_empty(cache) -> bool:
     return cache.offset == 0
 
 
+def encode_layer(i: int, cache, tokens: list):
+    """(family, header fields, (slot, array) pairs) of layer ``i``, after the checks every
+    writer makes: a known kind, a cache that holds tokens, and an offset that is
+    ``len(tokens)`` (recurrent state has no token axis). Writes nothing."""
+    kind = kind_of(cache)
+    family = family_of_kind(kind)  # unknown kinds fail before anything is written
+    if _is_empty(cache):
+        raise EmptyCacheError(f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving")
+    if not is_recurrent_cache(cache) and cache.offset != len(tokens):
+        raise SnapshotError(
+            f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
+            "tokens must be the exact prefix the caches encode"
+        )
+    fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+    return family, fields, slots
+
+
 def _encode_all(caches, tokens):
     if not caches:
         raise EmptyCacheError("nothing to save: the cache list is empty")
     entries, tensors = [], []
     for i, cache in enumerate(caches):
-        kind = kind_of(cache)
-        family = family_of_kind(kind)  # unknown kinds fail before anything is written
-        if _is_empty(cache):
-            raise EmptyCacheError(f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving")
-        if not is_recurrent_cache(cache) and cache.offset != len(tokens):
-            raise SnapshotError(
-                f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
-                "tokens must be the exact prefix the caches encode"
-            )
-        fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+        family, fields, slots = encode_layer(i, cache, tokens)
         entry = {"kind": family.persisted, **fields, "minimumReusableOffset": cache.minimum_reusable_offset}
         pending = getattr(cache, "pending_conversion", None)
         if pending is not None:
@@ -108,7 +117,7 @@ def _identity(model, given: dict) -> dict:
     return out
 
 
-def _check_readable(path: str, base: dict, tensors) -> None:
+def _check_readable(base: dict, tensors) -> None:
     """Run the reader's header checks on what is about to be written, so a save never writes
     a file a reader refuses (a token id out of range, an ssm entry too large, ...)."""
     infos, at = {}, 0
@@ -122,9 +131,93 @@ def _check_readable(path: str, base: dict, tensors) -> None:
     text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
     meta = {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
     try:
-        check_header(SafetensorsHeader(path, meta, infos, 0, at))
+        check_header(SafetensorsHeader("(to be written)", meta, infos, 0, at))
     except SnapshotError as e:
-        raise SnapshotError(f"{path}: not saved: the snapshot would not read back: {e}") from None
+        raise SnapshotError(f"not saved: the snapshot would not read back: {e}") from None
+
+
+def encode(
+    caches: Sequence,
+    tokens: Sequence[int],
+    *,
+    model=None,
+    model_id: str | None = None,
+    config_fingerprint: str | None = None,
+    tokenizer_hash: str | None = None,
+    ns: str | None = None,
+    generation_checkpoint: dict | None = None,
+    attachments: dict | None = None,
+    created_at: str | None = None,
+    extra: dict | None = None,
+) -> tuple[dict, list[tuple[str, mx.array]]]:
+    """The snapshot of ``caches`` in memory: its mlxkv header and its (name, array) tensors.
+
+    The arrays are the caches' own stored rows (views, nothing copied); each tensor entry of
+    the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``extra`` adds
+    header fields (a writer may; readers ignore fields they do not know). ``model`` gives
+    the identity fields (its id and fingerprint, ``mlxkv.state.identity``) the keywords do
+    not. Everything is checked here, by the reader's own header checks among others, so a
+    write of the result fails only for file-system reasons.
+    """
+    try:
+        tokens = [int(t) for t in tokens]
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"tokens must be integers: {e}") from None
+    entries, tensors = _encode_all(list(caches), tokens)
+    for name, a in tensors:
+        check_storable(name, a)  # unsupported dtypes and ranks fail before any file is opened
+    identity = _identity(
+        model,
+        {"model_id": model_id, "config_fingerprint": config_fingerprint, "tokenizer_hash": tokenizer_hash, "ns": ns},
+    )
+    header = {
+        "formatVersion": FORMAT_VERSION,
+        "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "codecProvider": CODEC_PROVIDER,
+        **{field: identity[key] for key, field in IDENTITY_FIELDS.items()},
+        "tokens": tokens,
+        "caches": entries,
+    }
+    if generation_checkpoint is not None:
+        header["generationCheckpoint"] = generation_checkpoint
+    if attachments:
+        header["attachments"] = attachments
+    for key, value in (extra or {}).items():
+        header.setdefault(key, value)
+    try:
+        json.dumps(header)
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
+    _check_readable(json.loads(json.dumps(header)), tensors)
+    return header, tensors
+
+
+def write(
+    path: str,
+    header: dict,
+    tensors: Sequence[tuple[str, mx.array]],
+    progress: Callable[[int, int], None] | None = None,
+    fsync: bool = True,
+) -> dict:
+    """Write an encoded snapshot (``encode``'s result) atomically to ``path``; returns the
+    header as written (with every tensor's dtype, shape and CRC-32). ``header`` itself is
+    not modified."""
+    base = json.loads(json.dumps(header))
+    by_name = dict(tensors)
+    final = {}
+
+    def build(crcs: dict[str, str]) -> dict[str, str]:
+        for entry in base["caches"]:
+            for t in entry["tensors"]:
+                a = by_name[t["name"]]
+                t["dtype"], t["shape"] = dtype_name(a), list(a.shape)
+                t["crc32"] = crcs[t["name"]]
+        text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
+        final["header"] = base
+        return {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
+
+    write_atomic(path, tensors, build, progress=progress, fsync=fsync)
+    return final["header"]
 
 
 def save(
@@ -142,6 +235,7 @@ def save(
     progress: Callable[[int, int], None] | None = None,
     fsync: bool = True,
     created_at: str | None = None,
+    format: str = "mlxkv",
 ) -> dict:
     """Write ``caches`` and the ``tokens`` they encode to ``path``; returns the header.
 
@@ -149,64 +243,62 @@ def save(
     ``mlxkv.state.identity``), so that loading into another model is refused; the
     identity keywords, when given, override it. Everything is checked before the file is
     opened; the write is atomic, so a snapshot already at ``path`` survives any failure.
-    ``created_at`` pins the timestamp (fixtures).
+    ``created_at`` pins the timestamp (fixtures). ``format="mlx-bun"`` writes mlx-bun's
+    cache-file format instead (docs/mlx-bun.md).
     """
-    try:
-        tokens = [int(t) for t in tokens]
-    except (TypeError, ValueError) as e:
-        raise SnapshotError(f"tokens must be integers: {e}") from None
-    entries, tensors = _encode_all(list(caches), tokens)
-    for name, a in tensors:
-        check_storable(name, a)  # unsupported dtypes and ranks fail before the file is opened
-    by_name = dict(tensors)
     identity = _identity(
         model,
         {"model_id": model_id, "config_fingerprint": config_fingerprint, "tokenizer_hash": tokenizer_hash, "ns": ns},
     )
-    base = {
-        "formatVersion": FORMAT_VERSION,
-        "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "codecProvider": CODEC_PROVIDER,
-        **{field: identity[key] for key, field in IDENTITY_FIELDS.items()},
-        "tokens": tokens,
-        "caches": entries,
-    }
-    if generation_checkpoint is not None:
-        base["generationCheckpoint"] = generation_checkpoint
-    if attachments:
-        base["attachments"] = attachments
-    try:
-        json.dumps(base)
-    except (TypeError, ValueError) as e:
-        raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
-    _check_readable(path, base, tensors)
+    if format == "mlx-bun":  # hook: mlx-bun's format lives in state/mlxbun.py
+        from .mlxbun import save_mlx_bun
 
-    final = {}
-
-    def build(crcs: dict[str, str]) -> dict[str, str]:
-        for entry in entries:
-            for t in entry["tensors"]:
-                a = by_name[t["name"]]
-                t["dtype"], t["shape"] = dtype_name(a), list(a.shape)
-                t["crc32"] = crcs[t["name"]]
-        text = json.dumps(base, separators=(",", ":"), ensure_ascii=True)
-        final["header"] = base
-        return {META_KEY: text, META_CRC_KEY: crc32_hex(text.encode())}
-
-    write_atomic(path, tensors, build, progress=progress, fsync=fsync)
-    return final["header"]
+        return save_mlx_bun(
+            path,
+            caches,
+            tokens,
+            **identity,
+            generation_checkpoint=generation_checkpoint,
+            attachments=attachments,
+            progress=progress,
+            fsync=fsync,
+            created_at=created_at,
+        )
+    if format != "mlxkv":
+        raise SnapshotError(f"unknown snapshot format {format!r}: 'mlxkv' or 'mlx-bun'")
+    header, tensors = encode(
+        caches,
+        tokens,
+        **identity,
+        generation_checkpoint=generation_checkpoint,
+        attachments=attachments,
+        created_at=created_at,
+    )
+    return write(path, header, tensors, progress=progress, fsync=fsync)
 
 
 # -- reading ------------------------------------------------------------------------------
 
 
+def parse_header(st: SafetensorsHeader) -> dict:
+    """Every header check of section 8 of docs/format.md over a safetensors header (a file's,
+    or one a prompt store's shared tier assembled from a manifest); returns the mlxkv header."""
+    return check_header(st)
+
+
 def read_header(path: str) -> dict:
     """The validated mlxkv header of ``path``; no tensor bytes are read."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file, translated (state/mlxbun.py)
+        from .mlxbun import read_mlx_bun_header
+
+        return read_mlx_bun_header(path)
     with SafetensorsFile(path) as file:
         return check_header(file.header)
 
 
-def _check_expectations(path, header, expect):
+def check_identity(path, header, expect):
+    """Each given expectation (model_id, config_fingerprint, tokenizer_hash, ns) equals the
+    header's field."""
     for key, value in expect.items():
         if key not in IDENTITY_FIELDS:
             raise TypeError(f"load() got an unexpected expectation {key!r}")
@@ -220,21 +312,21 @@ def _check_expectations(path, header, expect):
             )
 
 
-def _check_model_identity(path, header, model):
+def check_model_identity(path, header, model):
     """A snapshot that records a model fingerprint loads only into that model."""
-    recorded = header["configFingerprint"]
+    recorded = header.get("configFingerprint")
     if not recorded:
         return  # saved without a model: nothing to compare (the geometry still is)
     mine = model_fingerprint(model)
     if recorded != mine:
         raise IdentityMismatchError(
             f"{path}: the snapshot was computed by another model (fingerprint {recorded[:16]}..., "
-            f"this model's is {mine[:16]}...; modelId {header['modelId']!r}): its caches would make this "
+            f"this model's is {mine[:16]}...; modelId {header.get('modelId')!r}): its caches would make this "
             "model generate garbage. Pass allow_other_model=True to load it anyway"
         )
 
 
-def _check_geometry(path, header, model):
+def check_geometry(path, header, model):
     geo = model_geometry(model)
     entries = header["caches"]
     if len(entries) != geo.layers:
@@ -252,19 +344,68 @@ def _check_geometry(path, header, model):
             )
 
 
-def _decode(path, entry, codec, tensors, masks):
-    try:
-        cache = codec.decode(entry, tensors)
-        mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
-        cache.minimum_reusable_offset = entry["minimumReusableOffset"]
-        if "pendingConversion" in entry:
-            cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
-    except SnapshotError as e:
-        raise type(e)(f"{path}: {e}") from None
-    except MLXKVError as e:  # the header checks should have refused it: still a refusal of ours
-        raise SnapshotError(f"{path}: cannot restore this snapshot: {e}") from None
-    cache.masks = masks
-    return cache
+def check_for_model(path, header, model, allow_other_model: bool = False):
+    """What loading ``header`` into ``model`` needs: its recorded fingerprint (unless
+    ``allow_other_model``), then its layer count and head geometry."""
+    if not allow_other_model:
+        check_model_identity(path, header, model)
+    check_geometry(path, header, model)
+
+
+def read(
+    path: str,
+    model=None,
+    *,
+    verify: bool = True,
+    slack: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    allow_other_model: bool = False,
+    check: Callable[[str, dict], None] | None = None,
+    **expect,
+) -> tuple[dict, dict[str, mx.array]]:
+    """The checked header of ``path`` and its tensors by name, before any cache is built.
+
+    The file is opened once: header and tensors come from it however the path is renamed
+    over meanwhile. ``slack`` gives growing caches their restore capacity
+    (``Codec.capacity``); without it every tensor holds exactly its stored rows (a prompt
+    store keeps them so). See ``load`` for ``model``, ``allow_other_model``, ``check``."""
+    with SafetensorsFile(path) as file:
+        header = check_header(file.header)
+        check_identity(path, header, expect)
+        if model is not None:
+            check_for_model(path, header, model, allow_other_model)
+        if check is not None:
+            check(path, header)
+        requests = []
+        for entry in header["caches"]:
+            rows = family_of_persisted(entry["kind"]).codec.capacity(entry) if slack else None
+            requests += [(t["name"], t["crc32"] if verify else None, rows) for t in entry["tensors"]]
+        arrays = TensorReader(file).read_all(requests, progress)
+    return header, arrays
+
+
+def decode(header: dict, arrays: dict[str, mx.array], path: str = "") -> list:
+    """Live caches from a checked header and its tensors by name (one shared masks object).
+
+    The caches hold the given arrays as they are; nothing is evaluated or copied. A rule on
+    the stored values (eviction positions) that does not hold refuses the snapshot."""
+    masks = ForwardMasks()
+    where = f"{path}: " if path else ""
+    caches = []
+    for i, entry in enumerate(header["caches"]):
+        codec = family_of_persisted(entry["kind"]).codec
+        try:
+            cache = codec.decode(entry, {t["slot"]: arrays[t["name"]] for t in entry["tensors"]})
+            cache.minimum_reusable_offset = entry["minimumReusableOffset"]
+            if "pendingConversion" in entry:
+                cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
+        except SnapshotError as e:
+            raise type(e)(f"{where}cache entry {i}: {e}") from None
+        except MLXKVError as e:  # the header checks should have refused it: still a refusal of ours
+            raise SnapshotError(f"{where}cannot restore cache entry {i}: {e}") from None
+        cache.masks = masks
+        caches.append(cache)
+    return caches
 
 
 def load(
@@ -287,35 +428,31 @@ def load(
     before any tensor is read (raise to refuse). The file is opened once: a snapshot
     renamed over ``path`` meanwhile is never mixed with the one being read.
     """
-    with SafetensorsFile(path) as file:
-        header = check_header(file.header)
-        _check_expectations(path, header, expect)
-        if model is not None:
-            if not allow_other_model:
-                _check_model_identity(path, header, model)
-            _check_geometry(path, header, model)
-        if check is not None:
-            check(path, header)
-        entries = [(entry, family_of_persisted(entry["kind"]).codec) for entry in header["caches"]]
-        requests = [
-            (t["name"], t["crc32"] if verify else None, codec.capacity(entry))
-            for entry, codec in entries
-            for t in entry["tensors"]
-        ]
-        arrays = TensorReader(file).read_all(requests, progress)
-    masks = ForwardMasks()
-    caches = [
-        _decode(path, entry, codec, {t["slot"]: arrays.pop(t["name"]) for t in entry["tensors"]}, masks)
-        for entry, codec in entries
-    ]
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
+        from .mlxbun import load_mlx_bun
+
+        return load_mlx_bun(
+            path, model, verify=verify, progress=progress, allow_other_model=allow_other_model, check=check, **expect
+        )
+    header, arrays = read(
+        path, model, verify=verify, progress=progress, allow_other_model=allow_other_model, check=check, **expect
+    )
+    caches = decode(header, arrays, path)
+    del arrays
+    for cache in caches:
+        mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
     return Snapshot(caches, list(header["tokens"]), header, path)
 
 
 def verify(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
     """Check every checksum of ``path`` without building caches; returns the header."""
+    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
+        from .mlxbun import verify_mlx_bun
+
+        return verify_mlx_bun(path, progress)
     with SafetensorsFile(path) as file:
-        header = check_header(file.header)
         st = file.header
+        header = check_header(st)
         done, total = 0, st.file_size - st.data_start
         reader = TensorReader(file)
         for entry in header["caches"]:

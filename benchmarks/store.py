@@ -1,0 +1,359 @@
+"""Prompt store benchmarks, every contender side by side in one run (docs/store.md has results).
+
+1. Restore vs re-prefill: the time to get caches of an N-token prefix (evaluated) from the
+   RAM tier, the disk tier (file in the page cache, and evicted from it), the Redis tier,
+   against prefilling the same N tokens on a seeded model. Targets: RAM >= 50x faster than
+   re-prefill at 2k tokens; disk >= 10x.
+2. A multi-turn chat trace (conversations over shared system prompts, turns interleaved at
+   random) at one byte cap: prompt tokens forwarded and bytes held, for mlx-lm's
+   ``LRUPromptCache`` (with mlx-lm's own caches, as its server uses it), mlxkv's store in
+   RAM (least recently used first, and cost-size retention), and in RAM with a disk tier.
+   Every contender is driven the way mlx-lm's server drives its prompt cache
+   (fetch_nearest_cache, forward the rest, insert_cache).
+3. Redis vs disk: put (to durable / uploaded) and get (RAM emptied) throughput of one entry.
+
+Timings are medians over interleaved repeats with their min-max spread.
+
+Usage: python benchmarks/store.py [--sizes 512,2048,8192] [--repeats 3] [--convs 40
+       --turns 5 --systems 4 --cap-mib 8] [--entry-mib 32] [--skip-redis] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+import mlxkv
+from mlxkv.seeded import build_model, prompt, tokenizer
+from mlxkv.state.store import StorePromptCache
+
+
+class Redis:
+    def __init__(self):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("redis-server is not installed (apt-get install -y redis-server), or pass --skip-redis")
+        self.dir = tempfile.mkdtemp(prefix="mlxkv-bench-redis-")
+        sock = os.path.join(self.dir, "r.sock")
+        self.proc = subprocess.Popen(
+            [exe, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL,
+        )
+        while not os.path.exists(sock):
+            time.sleep(0.02)
+        self.url = f"unix://{sock}"
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def evaluated(caches):
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def prefill(model, tokens, step=2048):
+    caches = mlxkv.make_cache(model, "bf16")
+    for i in range(0, len(tokens), step):
+        model(mx.array([tokens[i : i + step]]), cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def drop_page_cache(store):
+    for e in store._disk.entries():
+        fd = os.open(e.extra["path"], os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def summary(samples):
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+# -- 1. restore vs re-prefill -------------------------------------------------------------
+
+
+def restore_vs_prefill(model, sizes, repeats, redis_url, work):
+    results = {}
+    for n in sizes:
+        tokens = prompt(n, seed=7)
+        probe = tokens + [1]
+        reference = prefill(model, tokens)
+        tiers = {"ram": mlxkv.PromptStore(model, tokenizer(), cap=1 << 34)}
+        tiers["disk"] = mlxkv.PromptStore(model, tokenizer(), cap=1 << 34, directory=os.path.join(work, f"d{n}"))
+        if redis_url:
+            tiers["redis"] = mlxkv.PromptStore(model, tokenizer(), cap=1 << 34, redis=redis_url, block_tokens=256)
+        for s in tiers.values():
+            s.put(tokens, reference)
+            s.flush()
+        times = {k: [] for k in ("prefill", "ram", "disk", "disk_cold", *(["redis"] if redis_url else []))}
+        for _ in range(repeats):
+            times["prefill"].append(timed(lambda tokens=tokens: prefill(model, tokens))[0])
+            for tier in ("ram", "disk", "disk_cold", "redis"):
+                if tier not in times:
+                    continue
+                store = tiers["disk" if tier == "disk_cold" else tier]
+                if tier != "ram":
+                    store.shrink(n_entries=0)  # the next take reads the lower tier
+                if tier == "disk_cold":
+                    drop_page_cache(store)
+                dt, hit = timed(lambda store=store, probe=probe: evaluated(store.take(probe).caches))
+                assert len(hit) == len(reference)
+                times[tier].append(dt)
+        for s in tiers.values():
+            s.close()
+        row = {k: summary(v) for k, v in times.items()}
+        p = row["prefill"]["median"]
+        row["speedup"] = {k: p / row[k]["median"] for k in times if k != "prefill"}
+        results[n] = row
+        print(
+            f"{n:>6} tokens: prefill {p * 1e3:9.1f} ms | "
+            + " | ".join(
+                f"{k} {row[k]['median'] * 1e3:7.2f} ms ({row[k]['min'] * 1e3:.2f}-{row[k]['max'] * 1e3:.2f}) "
+                f"{row['speedup'][k]:7.0f}x"
+                for k in times
+                if k != "prefill"
+            ),
+            flush=True,
+        )
+    return results
+
+
+# -- 2. the chat trace --------------------------------------------------------------------
+
+
+def chat_trace(n_convs, turns, n_systems, seed=0):
+    """(conversation, system prompt, user turns, assistant replies), and a random order of
+    (conversation, turn) steps in which each conversation's turns stay in order."""
+    rng = random.Random(seed)
+    systems = [prompt(128, seed=1000 + s) for s in range(n_systems)]
+    convs = []
+    for c in range(n_convs):
+        users = [prompt(rng.randint(12, 40), seed=2000 + 100 * c + t) for t in range(turns)]
+        replies = [prompt(16, seed=5000 + 100 * c + t) for t in range(turns)]
+        convs.append((systems[c % n_systems], users, replies))
+    pending = dict.fromkeys(range(n_convs), 0)
+    order = []
+    while pending:
+        c = rng.choice(sorted(pending))
+        order.append((c, pending[c]))
+        pending[c] += 1
+        if pending[c] == turns:
+            del pending[c]
+    return convs, order
+
+
+def drive(model, cache_store, make_caches, convs, order, key=("seeded/llama", None, None)):
+    """mlx-lm's server pattern: fetch, forward the rest (the reply is forwarded as if it had
+    been generated), insert under every token. Returns (forwarded, total prompt tokens,
+    largest nbytes seen)."""
+    forwarded = total = peak = 0
+    for c, t in order:
+        system, users, replies = convs[c]
+        history = list(system)
+        for i in range(t):
+            history += users[i] + replies[i]
+        p = history + users[t]
+        cache, rest = cache_store.fetch_nearest_cache(key, p)
+        if cache is None:
+            cache = make_caches()
+        forwarded += len(rest)
+        total += len(p)
+        model(mx.array([rest + replies[t]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        cache_store.insert_cache(key, p + replies[t], cache)
+        peak = max(peak, cache_store.nbytes)
+    return forwarded, total, peak
+
+
+def held_bytes_lru(lru):
+    """What mlx-lm's cache really holds: every array of every entry (its count includes the
+    256-row slack of each cache, as this does)."""
+    total = 0
+    for model_trie in lru._trie._trie.values():
+        stack = [model_trie]
+        while stack:
+            node = stack.pop()
+            for k, v in node.items():
+                if k == "__value__":
+                    total += sum(c.nbytes for c in v.prompt_cache)
+                else:
+                    stack.append(v)
+    return total
+
+
+def chat(model, n_convs, turns, n_systems, cap, work):
+    convs, order = chat_trace(n_convs, turns, n_systems)
+    out = {}
+    lru = LRUPromptCache(max_size=1 << 30, max_bytes=cap)
+    t, (fwd, total, peak) = timed(lambda: drive(model, lru, lambda: make_prompt_cache(model), convs, order))
+    out["mlx-lm LRUPromptCache"] = {
+        "forwarded": fwd,
+        "prompt_tokens": total,
+        "peak_counted": peak,
+        "held": held_bytes_lru(lru),
+        "entries": len(lru),
+        "seconds": t,
+    }
+    ram = StorePromptCache(mlxkv.PromptStore(model, tokenizer(), cap=cap))
+    t, (fwd, total, peak) = timed(lambda: drive(model, ram, lambda: mlxkv.make_cache(model, "bf16"), convs, order))
+    out["mlxkv RAM"] = {
+        "forwarded": fwd,
+        "prompt_tokens": total,
+        "peak_counted": peak,
+        "held": ram.nbytes,
+        "entries": len(ram),
+        "seconds": t,
+    }
+    gdsf = StorePromptCache(mlxkv.PromptStore(model, tokenizer(), cap=cap, retention="cost-size"))
+    t, (fwd, total, peak) = timed(lambda: drive(model, gdsf, lambda: mlxkv.make_cache(model, "bf16"), convs, order))
+    out["mlxkv RAM, cost-size"] = {
+        "forwarded": fwd,
+        "prompt_tokens": total,
+        "peak_counted": peak,
+        "held": gdsf.nbytes,
+        "entries": len(gdsf),
+        "seconds": t,
+    }
+    disk_store = mlxkv.PromptStore(model, tokenizer(), cap=cap, directory=os.path.join(work, "chat"))
+    disk = StorePromptCache(disk_store)
+    t, (fwd, total, peak) = timed(lambda: drive(model, disk, lambda: mlxkv.make_cache(model, "bf16"), convs, order))
+    disk_store.flush()
+    out["mlxkv RAM + disk"] = {
+        "forwarded": fwd,
+        "prompt_tokens": total,
+        "peak_counted": peak,
+        "held": disk.nbytes,
+        "entries": len(disk),
+        "disk_bytes": disk_store._disk.nbytes,
+        "seconds": t,
+    }
+    disk_store.close()
+    for name, r in out.items():
+        print(
+            f"{name:>24}: forwarded {r['forwarded']:6d} of {r['prompt_tokens']} prompt tokens "
+            f"({100 * r['forwarded'] / r['prompt_tokens']:.1f} %), held {r['held'] / 2**20:.2f} MiB "
+            f"(peak counted {r['peak_counted'] / 2**20:.2f} MiB, cap {cap / 2**20:.2f}), {r['entries']} entries, "
+            f"{r['seconds']:.1f} s",
+            flush=True,
+        )
+    return out
+
+
+# -- 3. Redis vs disk ---------------------------------------------------------------------
+
+
+def synthetic_caches(mib):
+    """Plain caches of about ``mib`` MiB: 8 layers of [1, 8, T, 128] bf16 keys and values."""
+    layers, heads, dim = 8, 8, 128
+    t = max(1, (mib << 20) // (layers * 2 * heads * dim * 2))
+    out = []
+    for i in range(layers):
+        k = mx.random.normal((1, heads, t, dim), key=mx.random.key(i)).astype(mx.bfloat16)
+        out.append(mlxkv.KVCache().adopt(k, -k, t, slack=False))
+    mx.eval([c.keys for c in out])
+    return out, t
+
+
+def throughput(mib, repeats, redis_url, work):
+    caches, t = synthetic_caches(mib)
+    ident = {"model_id": "bench", "config_fingerprint": "b" * 64, "tokenizer_hash": ""}
+    nbytes = sum(c.nbytes for c in caches)
+    times = {"disk put": [], "disk get": [], "disk get cold": [], "redis put": [], "redis get": []}
+    for r in range(repeats):
+        tokens = prompt(t, seed=100 + r)
+        for tier in ("disk", "redis"):
+            if tier == "redis" and not redis_url:
+                continue
+            kw = {"directory": os.path.join(work, f"tp{r}")} if tier == "disk" else {"redis": redis_url}
+            store = mlxkv.PromptStore(None, cap=1 << 34, identity=ident, block_tokens=256, **kw)
+            dt, _ = timed(lambda store=store, tokens=tokens: (store.put(tokens, caches), store.flush()))
+            times[f"{tier} put"].append(dt)
+            store.shrink(n_entries=0)
+            times[f"{tier} get"].append(
+                timed(lambda store=store, tokens=tokens: evaluated(store.take(tokens + [1]).caches))[0]
+            )
+            if tier == "disk":
+                store.shrink(n_entries=0)
+                drop_page_cache(store)
+                times["disk get cold"].append(
+                    timed(lambda store=store, tokens=tokens: evaluated(store.take(tokens + [1]).caches))[0]
+                )
+            store.close()
+    out = {}
+    for k, v in times.items():
+        if v:
+            s = summary(v)
+            s["MiB/s"] = nbytes / 2**20 / s["median"]
+            out[k] = s
+            print(
+                f"{k:>14}: {s['median'] * 1e3:8.1f} ms ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}) "
+                f"{s['MiB/s']:8.0f} MiB/s for {nbytes / 2**20:.0f} MiB",
+                flush=True,
+            )
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="512,2048,8192")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--convs", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--systems", type=int, default=4)
+    ap.add_argument("--cap-mib", type=float, default=8.0)
+    ap.add_argument("--entry-mib", type=int, default=32)
+    ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--parts", default="restore,chat,throughput")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    model = build_model("llama")
+    redis = None if args.skip_redis else Redis()
+    work = tempfile.mkdtemp(prefix="mlxkv-bench-store-")
+    results = {"machine": "shared 2-core VM (other jobs running): medians and min-max spread"}
+    try:
+        if "restore" in parts:
+            print("1. restore an N-token prefix vs re-prefill (seeded llama, bf16)")
+            sizes = [int(s) for s in args.sizes.split(",")]
+            results["restore"] = restore_vs_prefill(model, sizes, args.repeats, redis and redis.url, work)
+        if "chat" in parts:
+            print(f"2. chat trace: {args.convs} conversations x {args.turns} turns over {args.systems} system prompts")
+            results["chat"] = chat(model, args.convs, args.turns, args.systems, int(args.cap_mib * 2**20), work)
+        if "throughput" in parts:
+            print("3. one entry: Redis vs disk")
+            results["throughput"] = throughput(args.entry_mib, args.repeats, redis and redis.url, work)
+    finally:
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,497 @@
+"""mlx-bun cache files as mlxkv snapshots: translation both ways (docs/mlx-bun.md).
+
+Reading: the container (``io/mlxbun.py``) gives the raw header and the slots; each mlx-bun
+cache entry is translated into the mlxkv header entry of the same persisted kind (slot names,
+``keep`` 0 for rings, ``size`` 2 for ``ssm``, the reuse floor), checked by mlxkv's own codec
+(``codec.check``) and decoded by it (``codec.decode``), so both formats share every check.
+The result is a :class:`MlxBunSnapshot`: a :class:`~mlxkv.state.snapshot.Snapshot` whose
+header is an mlxkv header (``codecProvider`` ``"mlx-bun"``, ``formatVersion`` the mlx-bun
+version) plus ``mlxBun``, what only the mlx-bun file says, and whose ``attachments`` hold
+mlx-bun's companion tensors.
+
+Writing: live caches are encoded by their codec, and each entry is laid out as mlx-bun's
+codec for that kind writes it (fields, slot order, the whole ring as laid out, the floor
+appended last). Kinds mlx-bun has no codec for, rings that keep leading positions and
+pending conversions are refused before anything is written.
+"""
+
+import calendar
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..caches.transition import Bf16FirstCache
+from ..codecs.affine import SLOTS as AFFINE_SLOTS
+from ..codecs.turboquant import SLOTS as TURBO_SLOTS
+from ..errors import (
+    CorruptSnapshotError,
+    EmptyCacheError,
+    SnapshotError,
+    UnsupportedKindError,
+)
+from ..families import family_of_kind, family_of_persisted, kind_of
+from ..io import mlxbun as container
+from ..io.tensor_reader import TensorReader
+from .identity import IDENTITY_FIELDS
+from .kinds import check_entry
+from .snapshot import Snapshot, check_for_model, check_identity, decode, encode_layer
+
+PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
+
+#: mlx-bun kind -> (its int fields before ``tensors``, in emission order; mlxkv slot names)
+KINDS = {
+    "kv": (("offset",), ("keys", "values")),
+    "rotating": (("offset", "idx", "maxSize"), ("keys", "values")),
+    "qkv": (("offset", "groupSize", "bits"), AFFINE_SLOTS),
+    "rotating-qkv": (("offset", "idx", "maxSize", "groupSize", "bits"), AFFINE_SLOTS),
+    "ssm": (("offset",), ("0", "1")),
+    "turboquant": (("offset", "kBits", "vBits", "headDim"), TURBO_SLOTS),
+}
+RINGS = ("rotating", "rotating-qkv")
+#: mlx-bun kinds mlxkv has no cache for
+REFUSED = {
+    "paged": "a paged block pool (mlxkv has no paged cache; extract rows on the mlx-bun side first)",
+    "mla": "GLM's compressed MLA cache (mlxkv has no MLA cache)",
+    "mla-dsa": "GLM's compressed MLA cache with DSA state (mlxkv has no MLA cache)",
+    "mtp-mla": "GLM's MTP MLA cache (mlxkv has no MLA cache)",
+}
+
+
+@dataclass
+class MlxBunSnapshot(Snapshot):
+    """A restored mlx-bun file: ``header`` is the translated mlxkv header, ``source`` the
+    header as the file holds it, ``attachments`` mlx-bun's companion state with its tensors
+    as MLX arrays (``[{"schema", "metadata", "tensors": [mx.array, ...]}]``)."""
+
+    attachments: list = field(default_factory=list)
+    source: dict = field(default_factory=dict)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def iso_time(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))
+
+
+def epoch_ms(created_at) -> int:
+    """mlx-bun's ``createdAt`` from None (now), milliseconds, or mlxkv's ISO form."""
+    if created_at is None:
+        return int(time.time() * 1000)
+    if _is_int(created_at):
+        return created_at
+    try:
+        return calendar.timegm(time.strptime(created_at, "%Y-%m-%dT%H:%M:%SZ")) * 1000
+    except (TypeError, ValueError):
+        raise SnapshotError(
+            f"created_at {created_at!r}: give milliseconds since the epoch or 'YYYY-MM-DDTHH:MM:SSZ'"
+        ) from None
+
+
+# -- reading: mlx-bun entries as mlxkv entries -----------------------------------------------
+
+
+@dataclass
+class _Layer:
+    entry: dict  # the mlxkv entry
+    slots: list  # container.Slot per mlxkv slot, in order
+    floor: int
+
+
+def _translate_entry(where: str, i: int, raw: dict, slots: list) -> _Layer:
+    kind = raw.get("kind")
+    if not isinstance(kind, str):
+        raise CorruptSnapshotError(f"{where}: cache entry {i}: kind {kind!r} is not a string")
+    if kind in REFUSED:
+        raise UnsupportedKindError(kind, f"{where}: cache entry {i} is mlx-bun kind {kind!r}, {REFUSED[kind]}")
+    if kind not in KINDS:
+        raise UnsupportedKindError(
+            kind,
+            f"{where}: cache entry {i} has kind {kind!r}, which mlx-bun's codec table (mlx-cache-v3) "
+            f"does not have; mlxkv reads mlx-bun kinds {', '.join(KINDS)}",
+        )
+    fields, names = KINDS[kind]
+    if len(slots) != len(names):
+        raise CorruptSnapshotError(
+            f"{where}: cache entry {i} ({kind}) has {len(slots)} tensors; mlx-bun's {kind} holds "
+            f"{len(names)} ({', '.join(names)})"
+        )
+    offset = raw.get("offset")
+    if not _is_int(offset) or offset < 0:
+        raise CorruptSnapshotError(f"{where}: cache entry {i} ({kind}): offset {offset!r} is not an integer >= 0")
+    # old TurboQuant files carry no floor: reusable at their full offset only
+    floor = raw.get("minimumReusableOffset", offset if kind == "turboquant" else 0)
+    if not _is_int(floor) or not 0 <= floor <= offset:
+        raise CorruptSnapshotError(
+            f"{where}: cache entry {i} ({kind}): invalid cache minimum reusable offset {floor!r} (offset {offset})"
+        )
+    entry = {"kind": kind, **{f: raw.get(f) for f in fields}}
+    if kind in RINGS:
+        entry["keep"] = 0  # mlx-bun's rings are mlx-lm's with keep=0
+    if kind == "ssm":
+        entry["size"] = 2  # [conv, recurrent]
+    entry["minimumReusableOffset"] = floor
+    entry["tensors"] = []
+    for name, slot in zip(names, slots):
+        shape = list(slot.info.shape)
+        if kind in RINGS and len(shape) == 4:
+            shape[2] = min(offset, shape[2])  # rows past offset are the unwritten tail of the ring
+        entry["tensors"].append(
+            {"name": f"caches.{i}.{name}", "slot": name, "dtype": slot.info.dtype, "shape": shape, "wyhash": slot.hash}
+        )
+    shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
+    try:
+        check_entry(entry, shapes)
+    except CorruptSnapshotError as e:
+        raise CorruptSnapshotError(f"{where}: cache entry {i}: {e}") from None
+    return _Layer(entry, list(slots), floor)
+
+
+def translate(f: container.MlxBunFile) -> tuple[dict, list]:
+    """(the mlxkv header of an mlx-bun file, its layers); checks every entry, reads no tensor."""
+    where, raw = f"{f.path}: mlx-bun cache file", f.header
+    provider = raw.get("codecProvider", container.CODEC_PROVIDER)
+    if provider != container.CODEC_PROVIDER:
+        raise SnapshotError(
+            f"{where}: cache codec provider {provider!r}: mlxkv reads mlx-bun's {container.CODEC_PROVIDER!r} "
+            "(its built-in codec table) only"
+        )
+    tokens = raw.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise CorruptSnapshotError(f"{where}: tokens must be a list of integers")
+    created = raw.get("createdAt")
+    if not _is_int(created) or created < 0:
+        raise CorruptSnapshotError(f"{where}: createdAt {created!r} is not milliseconds since the epoch")
+    for i, att in enumerate(raw.get("attachments", [])):
+        if not isinstance(att.get("schema"), str) or not isinstance(att.get("metadata"), dict):
+            raise CorruptSnapshotError(f"{where}: attachment {i} needs a string schema and a metadata object")
+    layers = [_translate_entry(where, i, e, s) for i, (e, s) in enumerate(zip(raw.get("caches", []), f.caches))]
+    header = {"formatVersion": f.version, "createdAt": iso_time(created), "codecProvider": PROVIDER}
+    header.update({k: raw[k] for k in IDENTITY_FIELDS.values() if k in raw})
+    header["tokens"] = list(tokens)
+    header["caches"] = [layer.entry for layer in layers]
+    for k in ("generationCheckpoint", "attachments"):  # kept as the file has them
+        if k in raw:
+            header[k] = raw[k]
+    header["mlxBun"] = {"formatVersion": f.version, "createdAt": created, "codecProvider": provider, "layout": f.layout}
+    return header, layers
+
+
+def read_mlx_bun_header(path: str) -> dict:
+    """The translated, checked header of an mlx-bun file; no tensor bytes are read."""
+    return translate(container.read_mlx_bun(path))[0]
+
+
+def _check_hashes(f: container.MlxBunFile, progress=None) -> None:
+    fd = None if f.layout == "blocks" else os.open(f.path, os.O_RDONLY)
+    try:
+        done, total = 0, sum(s.nbytes for s in f.slots())
+        for slot in f.slots():
+            container.check_slot(f, slot, fd)
+            done += slot.nbytes
+            if progress:
+                progress(done, total)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _read_arrays(f: container.MlxBunFile, requests, progress) -> dict:
+    """name -> array for (slot, rows) requests: through TensorReader, or from blocks."""
+    if f.layout == "whole":
+        with TensorReader(f.tensor_source()) as reader:
+            return reader.read_all([(s.info.name, None, rows) for s, rows in requests], progress)
+    out, done, total = {}, 0, sum(s.nbytes for s, _ in requests)
+    for s, _ in requests:  # KVCache.adopt adds the slack rows itself
+        out[s.info.name] = container.array_from_bytes(
+            container.read_block_bytes(f, s, verify=False), s.info.dtype, s.info.shape
+        )
+        done += s.nbytes
+        if progress:
+            progress(done, total)
+    return out
+
+
+def load_mlx_bun(
+    path: str,
+    model=None,
+    *,
+    verify: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    allow_other_model: bool = False,
+    check: Callable[[str, dict], None] | None = None,
+    **expect,
+) -> MlxBunSnapshot:
+    """Restore an mlx-bun file as mlxkv caches (``mlxkv.load`` routes here by the magic).
+
+    ``verify`` checks every tensor's wyhash (format 5: every block's sha256) before a cache
+    is built; mlx-bun itself checks them only on request, mlxkv by default."""
+    f = container.read_mlx_bun(path)
+    header, layers = translate(f)
+    check_identity(path, header, expect)
+    if model is not None:
+        check_for_model(path, header, model, allow_other_model)
+    if check is not None:
+        check(path, header)
+    if verify:
+        _check_hashes(f)
+    codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
+    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
+    requests += [(s, None) for group in f.attachments for s in group]
+    arrays = _read_arrays(f, requests, progress)
+    # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
+    by_name = {
+        ref["name"]: arrays.pop(s.info.name) for layer in layers for ref, s in zip(layer.entry["tensors"], layer.slots)
+    }
+    caches = decode({"caches": [layer.entry for layer in layers]}, by_name)
+    del by_name
+    for cache in caches:
+        mx.eval(cache.state)
+    attachments = [
+        {
+            "schema": raw["schema"],
+            "metadata": dict(raw["metadata"]),
+            "tensors": [arrays.pop(s.info.name) for s in group],
+        }
+        for raw, group in zip(f.header.get("attachments", []), f.attachments)
+    ]
+    return MlxBunSnapshot(caches, list(header["tokens"]), header, path, attachments, f.header)
+
+
+def verify_mlx_bun(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Check the header hash, every entry, and every tensor hash (block sha256 in format 5)."""
+    f = container.read_mlx_bun(path)
+    header, _ = translate(f)
+    _check_hashes(f, progress)
+    return header
+
+
+# -- writing: live caches as mlx-bun entries ---------------------------------------------------
+
+
+def _refuse_layer(i: int, kind, why: str):
+    raise UnsupportedKindError(kind, f"layer {i}: {why}; nothing was written")
+
+
+def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
+    """(the mlx-bun header entry, its arrays in slot order) of one live cache."""
+    kind = kind_of(cache)
+    family = family_of_kind(kind)
+    persisted = family.persisted
+    if persisted not in KINDS:
+        _refuse_layer(
+            i,
+            persisted,
+            f"mlx-bun has no codec for mlxkv's {persisted!r} caches ({kind}); it persists {', '.join(KINDS)}",
+        )
+    if isinstance(cache, Bf16FirstCache) and cache.pending_conversion is not None:
+        _refuse_layer(
+            i,
+            persisted,
+            f"a bf16-first cache with a pending conversion {cache.pending_conversion}: "
+            "mlx-bun files cannot record it (save after the conversion, or as mlxkv)",
+        )
+    _, fields, slots = encode_layer(i, cache, tokens)
+    cache = getattr(cache, "inner", cache)
+    if persisted in RINGS:
+        if fields["keep"] != 0:
+            _refuse_layer(
+                i,
+                persisted,
+                f"a ring that keeps {fields['keep']} leading positions: mlx-bun's rings keep none (keep=0)",
+            )
+        # mlx-bun persists the whole ring as laid out, unwritten tail included
+        arrays = [*container_arrays(cache.keys), *container_arrays(cache.values)]
+    elif persisted == "ssm":
+        if fields["size"] != 2 or [s for s, _ in slots] != ["0", "1"]:
+            _refuse_layer(
+                i,
+                persisted,
+                f"recurrent state of {fields['size']} arrays (present: "
+                f"{[s for s, _ in slots]}): mlx-bun's ssm holds exactly [conv, recurrent]",
+            )
+        arrays = [a for _, a in slots]
+    else:
+        arrays = [a for _, a in slots]
+    names = KINDS[persisted][0]
+    entry = {"kind": persisted, **{f: int(fields[f]) for f in names}}
+    entry["tensors"] = [container.new_slot(a) for a in arrays]
+    floor = int(cache.minimum_reusable_offset)
+    if floor or persisted == "turboquant":  # a TurboQuant entry without it would mean "offset"
+        entry["minimumReusableOffset"] = floor
+    return entry, arrays
+
+
+def container_arrays(x) -> list:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _attachments(attachments) -> tuple[list, list]:
+    entries, arrays = [], []
+    for i, att in enumerate(attachments or []):
+        schema, metadata, tensors = (att.get(k) for k in ("schema", "metadata", "tensors"))
+        if not isinstance(schema, str) or not isinstance(metadata, dict) or not isinstance(tensors, (list, tuple)):
+            raise SnapshotError(f"attachment {i}: give {{'schema': str, 'metadata': dict, 'tensors': [mx.array]}}")
+        if not all(isinstance(v, (str, int, float, bool)) for v in metadata.values()):
+            raise SnapshotError(f"attachment {i} ({schema}): metadata values must be strings, numbers or booleans")
+        entries.append(
+            {"schema": schema, "metadata": dict(metadata), "tensors": [container.new_slot(a) for a in tensors]}
+        )
+        arrays += list(tensors)
+    return entries, arrays
+
+
+def save_mlx_bun(
+    path: str,
+    caches: Sequence,
+    tokens: Sequence[int],
+    *,
+    model_id: str = "",
+    config_fingerprint: str = "",
+    tokenizer_hash: str = "",
+    ns: str = "",
+    generation_checkpoint: dict | None = None,
+    attachments: list | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    fsync: bool = True,
+    created_at=None,
+    layout: str = "whole",
+    block_bytes: int = container.DEFAULT_BLOCK_BYTES,
+) -> dict:
+    """Write ``caches`` as an mlx-bun cache file (format 3, 4 with attachments, 5 with
+    ``layout="blocks"``); returns the mlx-bun header written. ``created_at`` pins
+    ``createdAt`` (milliseconds, or mlxkv's ISO form). Everything is checked before the file
+    is opened, and the write is atomic."""
+    tokens = [int(t) for t in tokens]
+    caches = list(caches)
+    if not caches and not attachments:
+        raise EmptyCacheError("nothing to save: the cache list is empty")
+    entries, arrays = [], []
+    for i, cache in enumerate(caches):
+        entry, a = _entry(i, cache, tokens)
+        entries.append(entry)
+        arrays += a
+    att_entries, att_arrays = _attachments(attachments)
+    header = {
+        "formatVersion": 4 if att_entries else 3,
+        "createdAt": epoch_ms(created_at),
+        "modelId": model_id,
+        "configFingerprint": config_fingerprint,
+        "tokenizerHash": tokenizer_hash,
+        "ns": ns,
+    }
+    if generation_checkpoint is not None:
+        header["generationCheckpoint"] = generation_checkpoint
+    if att_entries:
+        header["attachments"] = att_entries
+    header.update({"codecProvider": container.CODEC_PROVIDER, "tokens": tokens, "caches": entries})
+    container.js_json(header)  # not JSON: refused before the file is opened
+    return container.write_mlx_bun(
+        path, header, arrays + att_arrays, layout=layout, block_bytes=block_bytes, progress=progress, fsync=fsync
+    )
+
+
+# -- conversion and description ----------------------------------------------------------------
+
+
+def file_format(path: str) -> str:
+    """``"mlx-bun"``, ``"mlxkv"`` (a snapshot) or ``"mlx-lm"`` (any other safetensors file)."""
+    if container.is_mlx_bun_file(path):
+        return "mlx-bun"
+    from ..io.safetensors import read_safetensors_header
+
+    return "mlxkv" if "mlxkv" in read_safetensors_header(path).metadata else "mlx-lm"
+
+
+def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **identity) -> dict:
+    """Rewrite the snapshot ``src`` (mlxkv or mlx-bun) as ``to`` at ``dst``: the same caches,
+    tokens, identity (``identity`` overrides fields), checkpoint and creation time. Returns
+    the written header. Attachments cross only between mlx-bun files: an mlxkv snapshot
+    holds cache tensors only, so converting a file with attachments to mlxkv is refused."""
+    from .snapshot import load, save
+
+    snap = load(src)
+    h = snap.header
+    ident = {k: h.get(f, "") for k, f in IDENTITY_FIELDS.items()}
+    ident.update({k: v for k, v in identity.items() if v is not None})
+    created = h["mlxBun"]["createdAt"] if isinstance(snap, MlxBunSnapshot) else h.get("createdAt")
+    bun_attachments = snap.attachments if isinstance(snap, MlxBunSnapshot) else []
+    checkpoint = h.get("generationCheckpoint")
+    if to == "mlxkv":
+        if bun_attachments:
+            raise SnapshotError(
+                f"{src}: its mlx-bun attachments ({', '.join(a['schema'] for a in bun_attachments)}) carry tensors; "
+                "an mlxkv snapshot holds cache tensors only, so the conversion is refused rather than drop them"
+            )
+        mlxkv_attachments = None if isinstance(snap, MlxBunSnapshot) else h.get("attachments")
+        return save(
+            dst,
+            snap.caches,
+            snap.tokens,
+            **ident,
+            generation_checkpoint=checkpoint,
+            attachments=mlxkv_attachments,
+            created_at=iso_time(epoch_ms(created)),
+            progress=progress,
+        )
+    if to == "mlx-bun":
+        if not isinstance(snap, MlxBunSnapshot) and h.get("attachments"):
+            raise SnapshotError(f"{src}: mlxkv attachments have no mlx-bun form (mlx-bun attachments hold tensors)")
+        return save_mlx_bun(
+            dst,
+            snap.caches,
+            snap.tokens,
+            **ident,
+            generation_checkpoint=checkpoint,
+            attachments=bun_attachments,
+            created_at=created,
+            progress=progress,
+        )
+    raise SnapshotError(f"unknown snapshot format {to!r}: 'mlxkv' or 'mlx-bun'")
+
+
+def describe(path: str) -> tuple[list, list, list]:
+    """What ``mlxkv inspect`` prints for an mlx-bun file: (general rows, table headers, rows)."""
+    f = container.read_mlx_bun(path)
+    header, layers = translate(f)
+    raw = f.header
+    tokens = header["tokens"]
+    shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
+    layout = (
+        "whole: tensors in the file at 16 KiB-aligned offsets"
+        if f.layout == "whole"
+        else f"blocks: tensors in content-addressed blocks under {f.blocks_dir}"
+    )
+    general = [
+        ("file", path),
+        ("size", f"{f.file_size} bytes"),
+        ("format", f"mlx-bun format v{f.version} ({layout})"),
+        ("headerHash", f"{container.hex16(f.header_hash)} (wyhash of the {f.header_len}-byte JSON header; verified)"),
+        ("dataStart", f.data_start),
+        ("codecProvider", raw.get("codecProvider", f"{container.CODEC_PROVIDER} (absent: an early v3 file)")),
+        ("createdAt", f"{raw['createdAt']} ({header['createdAt']})"),
+    ]
+    general += [(k, repr(raw[k]) if k == "ns" else raw[k]) for k in IDENTITY_FIELDS.values() if k in raw]
+    general.append(("tokens", f"{len(tokens)} [{shown}]"))
+    if "generationCheckpoint" in raw:
+        general.append(("generationCheckpoint", json.dumps(raw["generationCheckpoint"], separators=(",", ":"))))
+    for att, group in zip(raw.get("attachments", []), f.attachments):
+        meta = json.dumps(att["metadata"], separators=(",", ":"))
+        general.append(("attachment", f"{att['schema']}: {len(group)} tensors, metadata {meta}"))
+    rows = []
+    for i, (layer, rawe) in enumerate(zip(layers, raw.get("caches", []))):
+        e = layer.entry
+        fields = " ".join(
+            f"{k}={v}" for k, v in e.items() if k not in ("kind", "offset", "tensors", "minimumReusableOffset")
+        )
+        floor = f"{layer.floor}" + ("" if "minimumReusableOffset" in rawe else " (absent)")
+        slots = " ".join(
+            f"{t['slot']}:{s.info.dtype}{list(s.info.shape)}@{s.off}" for t, s in zip(e["tensors"], layer.slots)
+        )
+        rows.append([i, e["kind"], e["offset"], floor, fields or "-", sum(s.nbytes for s in layer.slots), slots])
+    return general, ["layer", "kind", "offset", "minReuse", "fields", "bytes", "tensors (slot:dtype[shape]@off)"], rows

@@ -1,0 +1,69 @@
+"""A store entry: one encoded snapshot held in memory, and how it is made and lent.
+
+An entry is what a snapshot file holds (the mlxkv header and the tensors by name), so every
+tier keeps the same thing: RAM keeps the arrays, the disk tier a file, Redis pieces. Making
+an entry (:func:`freeze`) encodes the caches through their codecs and keeps exactly the
+stored rows: an array that is a view into a larger buffer (a cache's growth slack) is copied
+to its own exact buffer, any other is kept as it is (MLX arrays are values), so ``nbytes``
+is what the entry really keeps alive. Lending (``reuse.lend``) builds caches over views.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..reuse import Reuse, lend, reuse_of
+from ..snapshot import encode
+
+
+@dataclass(eq=False)
+class Entry:
+    key: str  # entry id: keys.entry_id(seed of its space, tokens)
+    space: str  # what the id is seeded with: the namespace, or a checkpoint's generation
+    tokens: list[int]
+    reuse: Reuse
+    nbytes: int
+    header: dict
+    arrays: dict[str, mx.array] | None = None  # None: the bytes live in another tier
+    pinned: bool = False
+    extra: dict = field(default_factory=dict)  # a tier's own bookkeeping (path, mtime, ...)
+
+    @property
+    def ns(self) -> str:
+        return self.header.get("ns", "")
+
+    @property
+    def checkpoint(self) -> dict | None:
+        return self.header.get("generationCheckpoint")
+
+    def lend(self, p: int) -> list:
+        return lend(self.header, self.arrays, p)
+
+
+def freeze(
+    key: str,
+    space: str,
+    caches: Sequence,
+    tokens: Sequence[int],
+    identity: dict,
+    ns: str,
+    checkpoint: dict | None = None,
+    attachments: dict | None = None,
+) -> Entry:
+    """An entry holding the caches' current state; the caches stay the caller's."""
+    header, tensors = encode(
+        caches,
+        tokens,
+        model_id=identity.get("modelId", ""),
+        config_fingerprint=identity.get("configFingerprint", ""),
+        tokenizer_hash=identity.get("tokenizerHash", ""),
+        ns=ns,
+        generation_checkpoint=checkpoint,
+        attachments=attachments,
+        extra={"kvScheme": identity["kvScheme"]} if identity.get("kvScheme") else None,
+    )
+    arrays = {name: mx.contiguous(a) for name, a in tensors}  # copies views of larger buffers only
+    mx.eval(list(arrays.values()))
+    nbytes = sum(a.nbytes for a in arrays.values())
+    return Entry(key, space, list(header["tokens"]), reuse_of(caches, attachments), nbytes, header, arrays)

@@ -1,0 +1,308 @@
+"""The prompt store's RAM tier: the reuse rule per kind, lending (never consuming), duplicates
+and supersession, a byte cap that holds, pins, identity. Tests named ``test_regression_*``
+pin behaviour mlx-bun's prompt cache had to fix (docs/store.md, "What was fixed")."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from store_helpers import KIND_CASES, accepted, build, continuation, forward, same_arrays, snapshot_arrays
+
+import mlxkv
+from mlxkv import PromptStore, StoreCapacityError
+from mlxkv.seeded import build_model, prompt, tokenizer
+
+CASES = [c for c in KIND_CASES if accepted(c[2])]
+CAP = 64 << 20
+
+
+def _store(model, **kw):
+    return PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), **kw)
+
+
+def _entry_arrays(store):
+    return {e.key: e.arrays for e in store._ram.entries()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_take_lends_and_the_donor_stays_whole(models, case):
+    """For every kind: a lent copy continues exactly as the caller's own caches do; appending
+    to it (and to a trimmed copy) leaves the stored arrays unchanged; a later take of a
+    longer prompt still finds the entry at its full length."""
+    _, arch, scheme, opts, n, chunk = case
+    model = models(arch)
+    tokens = prompt(n, seed=3)
+    caches = build(model, scheme, opts, tokens, chunk)
+    store = _store(model)
+    store.put(tokens, caches)
+    (donor,) = _entry_arrays(store).values()
+    before = snapshot_arrays(donor)
+
+    more = prompt(6, seed=8)
+    hit = store.take(tokens + more)
+    assert hit.prefix_len == n and hit.tier == "ram"
+    lent_logits = continuation(model, hit.caches, more)
+    own_logits = continuation(model, caches, more)  # the caller's caches are still theirs
+    np.testing.assert_array_equal(lent_logits, own_logits)
+
+    short = tokens[: n - 5] + prompt(4, seed=9)
+    trimmed = store.take(short)
+    if trimmed is not None:  # only kinds that can trim lend a shorter prefix
+        assert trimmed.prefix_len == n - 5
+        continuation(model, trimmed.caches, short[n - 5 :])
+
+    assert same_arrays(snapshot_arrays(donor), before)
+    again = store.take(tokens + more)
+    assert again.prefix_len == n
+    np.testing.assert_array_equal(continuation(model, again.caches, more), lent_logits)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_reuse_rule_per_kind(models, case):
+    """A shorter prefix is lent only when every cache can trim, never below the reuse floor;
+    the lent copy gives the logits of the stored caches trimmed in place."""
+    _, arch, scheme, opts, n, chunk = case
+    model = models(arch)
+    tokens = prompt(n, seed=3)
+    caches = build(model, scheme, opts, tokens, chunk)
+    trimmable = all(c.is_trimmable() for c in caches)
+    floor = max(c.minimum_reusable_offset for c in caches)
+    store = _store(model)
+    store.put(tokens, caches)
+    for p in (n - 1, n - 10, floor - 1, floor, 1):
+        if p < 1:
+            continue
+        hit = store.take(tokens[:p] + [255 - tokens[p]] if p < n else tokens + [1])
+        if p < floor or (not trimmable and p < n):
+            assert hit is None, f"p={p}: the entry cannot serve this prefix"
+            continue
+        assert hit is not None and hit.prefix_len == p
+        ref = build(model, scheme, opts, tokens, chunk)
+        for c in ref:
+            assert c.trim(n - p) == n - p
+        nxt = [7, 11]
+        np.testing.assert_array_equal(continuation(model, hit.caches, nxt), continuation(model, ref, nxt))
+
+
+def test_at_least_one_token_is_forwarded_and_exact_duplicates_replace(models):
+    model = models("llama")
+    tokens = prompt(30)
+    store = _store(model)
+    store.put(tokens, build(model, "bf16", {}, tokens, 30))
+    hit = store.take(tokens)
+    assert hit.prefix_len == 29  # mlx-lm's LRUPromptCache would return the whole entry, nothing to forward
+    assert store.take(tokens[:1]) is None
+    store.put(tokens, build(model, "kv4", {}, tokens, 30))  # same tokens: replaces, whatever it holds
+    assert len(store) == 1 and store.take(tokens + [1]).caches[0].kind == "kv:quant:4:64"
+
+
+def test_regression_trimmable_descendant_supersedes_untrimmable_keeps(models):
+    """mlx-bun: a strict prefix-ancestor is superseded only by a fully trimmable descendant;
+    a prompt-boundary snapshot survives a longer untrimmable (recurrent, wrapped) entry."""
+    llama, hybrid = models("llama"), models("hybrid")
+    base = prompt(40)
+    store = _store(llama)
+    store.put(base[:20], build(llama, "bf16", {}, base[:20], 20))
+    store.put(base, build(llama, "bf16", {}, base, 40))
+    assert [len(t) for _, t, _, _ in store.entries()] == [40]  # the ancestor is covered: dropped
+    assert store.take(base[:20] + [3]).prefix_len == 20  # served by trimming the descendant
+
+    store = _store(hybrid)
+    store.put(base[:20], build(hybrid, "bf16", {}, base[:20], 20))
+    store.put(base, build(hybrid, "bf16", {}, base, 40))
+    assert sorted(len(t) for _, t, _, _ in store.entries()) == [20, 40]
+    assert store.take(base[:20] + [3]).prefix_len == 20
+
+    store = _store(llama)
+    store.put(base[:20], build(llama, "bf16", {"max_kv_size": 24}, base[:20], 20))
+    store.put(base, build(llama, "bf16", {"max_kv_size": 24}, base, 8))  # wrapped
+    assert sorted(len(t) for _, t, _, _ in store.entries()) == [20, 40]
+
+
+def test_regression_an_ancestor_below_the_descendants_floor_is_kept(models):
+    """An entry converted at 16 (floor 16) cannot serve a prefix shorter than 16: an ancestor
+    stored before the conversion stays (mlx-bun checks the ancestor's length against the
+    floor; mlxkv keeps any ancestor holding a prefix the descendant cannot serve)."""
+    model = models("llama")
+    base = prompt(40)
+    store = _store(model)
+    store.put(base[:12], build(model, "kv4-start16", {}, base[:12], 12))  # bf16 still: floor 0
+    store.put(base, build(model, "kv4-start16", {}, base, 8))  # converted at 16
+    assert sorted(len(t) for _, t, _, _ in store.entries()) == [12, 40]
+    assert store.take(base[:10] + [1]).prefix_len == 10
+    assert store.take(base[:30] + [1]).prefix_len == 30
+
+
+def test_regression_cap_holds_after_every_call(models):
+    """nbytes of all entries <= cap after every put and take (random workload), LRU order."""
+    model = models("llama")
+    rng = random.Random(0)
+    per_token = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 heads, 64 dims, bf16
+    cap = 300 * per_token
+    store = _store(model, cap=cap)
+    systems = [prompt(24, seed=s) for s in range(3)]
+    for i in range(40):
+        sysp = rng.choice(systems)
+        tokens = sysp + prompt(rng.randint(5, 120), seed=100 + i)
+        if rng.random() < 0.5:
+            store.take(tokens)
+        else:
+            store.put(tokens, build(model, "bf16", {}, tokens, 64))
+        assert store.nbytes <= cap
+        assert store.nbytes == sum(n for _, _, n, _ in store.entries())
+    assert len(store) > 0
+
+
+def test_lru_eviction_and_pins(models):
+    model = models("llama")
+    per_entry = 20 * 4 * 2 * 2 * 64 * 2
+    store = _store(model, cap=3 * per_entry)
+    a, b, c, d = (prompt(20, seed=s) for s in range(4))
+    for t in (a, b, c):
+        store.put(t, build(model, "bf16", {}, t, 20))
+    store.pin(a)
+    assert store.take(b + [1]) is not None  # b used: c is now the least recently used unpinned
+    store.put(d, build(model, "bf16", {}, d, 20))
+    held = {tuple(t) for _, t, _, _ in store.entries()}
+    assert held == {tuple(a), tuple(b), tuple(d)}
+    for t in (b, c, d):  # everything unpinned can go; the pinned entry never
+        store.put(t + [1], build(model, "bf16", {}, t + [1], 21))
+    assert tuple(a) in {tuple(t) for _, t, _, _ in store.entries()}
+    store.cap = per_entry  # a lower cap applies at once
+    assert store.nbytes <= per_entry and [tuple(t) for _, t, _, _ in store.entries()] == [tuple(a)]
+
+
+def test_regression_entry_larger_than_cap_is_refused(models):
+    model = models("llama")
+    tokens = prompt(20)
+    small = _store(model, cap=1000)
+    with pytest.raises(StoreCapacityError, match="larger than the store's cap"):
+        small.put(tokens, build(model, "bf16", {}, tokens, 20))
+    assert len(small) == 0 and small.nbytes == 0
+    per_entry = 20 * 4 * 2 * 2 * 64 * 2
+    store = _store(model, cap=per_entry + 10)
+    store.put(tokens, build(model, "bf16", {}, tokens, 20), pin=True)
+    other = prompt(20, seed=5)
+    with pytest.raises(StoreCapacityError, match="pinned entries"):
+        store.put(other, build(model, "bf16", {}, other, 20))
+    assert len(store) == 1 and store.take(tokens + [1]).prefix_len == 20  # nothing held was lost
+
+
+def test_a_pinned_ancestor_is_never_superseded(models):
+    model = models("llama")
+    sysp, turn = prompt(24), prompt(30, seed=2)
+    store = _store(model)
+    store.put(sysp, build(model, "bf16", {}, sysp, 24), pin=True)
+    store.put(sysp + turn, build(model, "bf16", {}, sysp + turn, 54))
+    assert sorted(len(t) for _, t, _, _ in store.entries()) == [24, 54]
+
+
+def test_bytes_are_what_the_entry_holds(models):
+    """An entry keeps exactly its rows: a plain cache's 256-row growth slack is not kept,
+    and nbytes counts each array once."""
+    model = models("llama")
+    tokens = prompt(30)
+    caches = build(model, "bf16", {}, tokens, 30)
+    assert caches[0].keys.shape[2] == 256
+    store = _store(model)
+    store.put(tokens, caches)
+    assert store.nbytes == 30 * 4 * 2 * 2 * 64 * 2
+    (arrays,) = _entry_arrays(store).values()
+    assert all(a.shape[2] == 30 for a in arrays.values())
+
+
+def test_namespaces_tokenizers_schemes_and_models_never_match(models):
+    llama, gemma = models("llama"), models("gemma3")
+    tokens = prompt(30)
+    caches = build(llama, "bf16", {}, tokens, 30)
+    store = _store(llama)
+    store.put(tokens, caches, ns="adapter-a")
+    assert store.take(tokens + [1]) is None
+    assert store.take(tokens + [1], ns="adapter-b") is None
+    assert store.take(tokens + [1], ns="adapter-a").prefix_len == 30
+    # entries are keyed by the identity: other stores (tokenizer, scheme, model) name
+    # different entries, even for the same tokens and namespace
+    a = _store(llama)
+    b = PromptStore(llama, None, cap=CAP)  # no tokenizer
+    c = _store(llama, scheme="kv4")
+    d = _store(gemma)
+    keys = {s._seed("") for s in (a, b, c, d)}
+    assert len(keys) == 4
+
+
+def test_another_checkpoint_of_the_same_architecture_never_matches(models):
+    a, b = models("llama"), build_model("llama", seed=1)
+    assert PromptStore(a, cap=1)._seed("") != PromptStore(b, cap=1)._seed("")
+
+
+def test_put_keeps_nothing_of_the_callers_caches_alive_beyond_its_rows(models):
+    """The caller keeps appending to its caches after a put; the entry does not change."""
+    model = models("llama")
+    tokens = prompt(30)
+    caches = build(model, "bf16", {}, tokens, 30)
+    store = _store(model)
+    store.put(tokens, caches)
+    (arrays,) = _entry_arrays(store).values()
+    before = snapshot_arrays(arrays)
+    forward(model, caches, prompt(40, seed=4), 1)
+    assert same_arrays(snapshot_arrays(arrays), before)
+
+
+def test_an_entry_with_attachments_is_lent_only_whole(models):
+    """Attachments (method companion state) are never trimmed: the entry serves prompts that
+    extend it, never a shorter prefix, and does not cover its ancestors."""
+    model = models("llama")
+    tokens = prompt(30)
+    store = _store(model)
+    store.put(tokens[:20], build(model, "bf16", {}, tokens[:20], 20))
+    store.put(tokens, build(model, "bf16", {}, tokens, 30), attachments={"drafter": {"layers": 1}})
+    assert sorted(len(t) for _, t, _, _ in store.entries()) == [20, 30]
+    hit = store.take(tokens + [1])
+    assert hit.prefix_len == 30 and hit.attachments == {"drafter": {"layers": 1}}
+    hit = store.take(tokens[:25] + [1])
+    assert hit.prefix_len == 20 and hit.attachments is None  # the attached entry cannot trim to 25
+
+
+def test_tokens_are_checked(models):
+    model = models("llama")
+    tokens = prompt(10)
+    caches = build(model, "bf16", {}, tokens, 10)
+    store = _store(model)
+    with pytest.raises(mlxkv.SnapshotError, match="tokens must be the exact prefix"):
+        store.put(tokens[:9], caches)
+    with pytest.raises(mlxkv.MLXKVError, match="ns must be a string"):
+        store.put(tokens, caches, ns=None)
+    assert store.take([]) is None and store.take(mx.array(tokens)) is None
+
+
+def test_stats_count_hits_and_reused_tokens(models):
+    model = models("llama")
+    tokens = prompt(30)
+    store = _store(model)
+    store.put(tokens, build(model, "bf16", {}, tokens, 30))
+    store.take(tokens + [1])
+    store.take(prompt(30, seed=9))
+    assert store.stats["hits"]["ram"] == 1 and store.stats["misses"] == 1 and store.stats["reused_tokens"] == 30
+
+
+def test_cost_size_retention_keeps_an_often_reused_prefix(models):
+    """GreedyDual-Size-Frequency (mlx-bun's cost-size policy): a small prefix lent often
+    outlives larger entries used once, where LRU lets it go; both keep the cap."""
+    model = models("llama")
+    per_token = 4 * 2 * 2 * 64 * 2
+    system = prompt(16, seed=1)
+    kept = {}
+    for policy in ("lru", "cost-size"):
+        store = _store(model, cap=140 * per_token, retention=policy)
+        store.put(system, build(model, "bf16", {}, system, 16))
+        for i in range(4):
+            assert store.take(system + prompt(3, seed=50 + i)).prefix_len == 16
+        for i in range(3):  # large, used once: they push the cap
+            big = prompt(60, seed=10 + i)
+            store.put(big, build(model, "bf16", {}, big, 60))
+            assert store.nbytes <= store.cap
+        kept[policy] = any(t == system for _, t, _, _ in store.entries())
+    assert kept == {"lru": False, "cost-size": True}
+    with pytest.raises(mlxkv.MLXKVError, match="retention must be one of"):
+        _store(model, retention="fifo")

@@ -1,0 +1,256 @@
+"""The shared tier against a real redis-server (started here on a private unix socket; the
+tests fail, not skip, when it is not installed: `apt-get install -y redis-server`)."""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import mlx.core as mx
+import msgpack
+import numpy as np
+import pytest
+from store_helpers import RedisServer, build, continuation, forward
+
+from mlxkv import PromptStore
+from mlxkv.seeded import prompt, tokenizer
+from mlxkv.state.store import stream_generate
+from mlxkv.state.store.keys import block_chain, entry_id, identity_seed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = 16
+CAP = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RedisServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def r(server):
+    client = server.client()
+    client.flushall()
+    return client
+
+
+def _store(model, server, **kw):
+    return PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), redis=server.url, block_tokens=BLOCK, **kw)
+
+
+def _upload(model, server, tokens, **kw):
+    s = _store(model, server, **kw)
+    s.put(tokens, build(model, "bf16", {}, tokens, 64))
+    report = s.flush()
+    s.close()
+    return report
+
+
+CHILD = r"""
+import sys
+from mlxkv import PromptStore, make_cache
+from mlxkv.seeded import build_model, prompt, tokenizer
+import mlx.core as mx
+model = build_model("llama")
+tokens = prompt(64, seed=21) + prompt(30, seed=22)
+caches = make_cache(model, "bf16")
+model(mx.array([tokens]), cache=caches)
+store = PromptStore(model, tokenizer(), cap=64 << 20, redis=sys.argv[1], block_tokens=16)
+store.put(tokens, caches)
+print(len(store.flush().uploaded))
+"""
+
+
+def test_two_processes_share_a_system_prompt(models, server, r):
+    """Another process uploads system prompt + its question; this one, with an empty RAM
+    tier, forwards only its own suffix and gets the logits of a full prefill."""
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, server.url],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+    model = models("llama")
+    system, question = prompt(64, seed=21), prompt(25, seed=23)
+    store = _store(model, server)
+    hit = store.take(system + question)
+    assert hit.tier == "redis" and hit.prefix_len == 64
+    logits = forward(model, hit.caches, question)
+    np.testing.assert_array_equal(logits, forward(model, build(model, "bf16", {}, [], 1), system + question))
+    # through the generate helper: the prompt it forwards is the suffix
+    other = _store(model, server)
+    first = next(iter(stream_generate(model, tokenizer(), system + prompt(9, seed=24), other, max_tokens=2)))
+    assert first.prompt_tokens == 9
+
+
+def test_lookup_finds_the_longest_shared_prefix(models, server, r):
+    model = models("llama")
+    base = prompt(100, seed=1)
+    for n in (40, 70):
+        _upload(model, server, base[:n] + prompt(20, seed=n))
+    store = _store(model, server)
+    assert store.take(base + [1]).prefix_len == 70
+    assert store.take(base[:50] + [1, 2]).prefix_len == 50
+    assert store.take(prompt(100, seed=2)) is None
+
+
+def test_a_piece_redis_evicted_is_a_miss_and_the_manifest_goes(models, server, r):
+    model = models("llama")
+    tokens = prompt(80, seed=1)
+    _upload(model, server, tokens, piece_bytes=4096)
+    pieces = sorted(k for k in r.keys("*:p:*"))
+    assert len(pieces) > 4
+    r.delete(pieces[3])
+    store = _store(model, server)
+    assert store.take(tokens + [1]) is None
+    assert r.keys("*:m:*") == []
+
+
+def test_a_manifest_without_pieces_or_with_a_damaged_piece_is_a_miss(models, server, r):
+    model = models("llama")
+    tokens = prompt(80, seed=1)
+    _upload(model, server, tokens, piece_bytes=4096)
+    key = sorted(r.keys("*:p:*"))[0]
+    value = bytearray(r.get(key))
+    value[10] ^= 1
+    r.set(key, bytes(value))
+    assert _store(model, server).take(tokens + [1]) is None
+    _upload(model, server, tokens, piece_bytes=4096)  # uploaded again: the manifest was deleted
+    for k in r.keys("*:p:*"):
+        r.delete(k)
+    assert _store(model, server).take(tokens + [1]) is None
+
+
+def test_one_process_uploads_a_prefix(models, server, r):
+    """The lease: while another process holds it, put skips the upload; an entry already
+    there is not uploaded twice."""
+    model = models("llama")
+    tokens = prompt(40, seed=1)
+    store = _store(model, server)
+    seed = identity_seed(store.identity, "", BLOCK)
+    lease = store._redis.lease_key(seed, entry_id(seed, tokens))
+    r.set(lease, "another-process", px=60_000)
+    assert _upload(model, server, tokens).uploaded == []
+    assert r.keys("*:m:*") == []
+    r.delete(lease)
+    assert len(_upload(model, server, tokens).uploaded) == 1
+    pieces = set(r.keys("*:p:*"))
+    assert len(_upload(model, server, tokens).uploaded) == 1  # present counts
+    assert set(r.keys("*:p:*")) == pieces  # and nothing was uploaded again
+
+
+def test_other_identities_and_namespaces_never_match(models, server, r):
+    llama, gemma = models("llama"), models("gemma3")
+    tokens = prompt(40, seed=1)
+    _upload(llama, server, tokens)
+    assert PromptStore(llama, None, cap=CAP, redis=server.url, block_tokens=BLOCK).take(tokens + [1]) is None
+    assert _store(llama, server, scheme="kv4").take(tokens + [1]) is None
+    assert _store(llama, server).take(tokens + [1], ns="lora") is None
+    assert _store(gemma, server).take(tokens + [1]) is None
+    assert _store(llama, server).take(tokens + [1]).prefix_len == 40
+
+
+def test_every_key_expires(models, server, r):
+    model = models("llama")
+    _upload(model, server, prompt(40, seed=1), redis_ttl=600)
+    keys = r.keys("*")
+    assert keys and all(0 < r.ttl(k) <= 600 for k in keys)
+
+
+def test_eviction_under_maxmemory_gives_misses_never_wrong_caches(models):
+    """A small Redis with allkeys-lru evicts pieces, manifests and block sets as entries pile
+    up: a hit is an entry whose keys all survived and gives the logits of a full prefill;
+    anything else is a miss."""
+    small = RedisServer("--maxmemory", "2500kb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        model = models("llama")
+        entries = [prompt(90, seed=s) for s in range(12)]  # ~180 KiB each
+        for t in entries:
+            _upload(model, small, t, piece_bytes=8192)
+        r = small.client()
+        assert r.info("stats")["evicted_keys"] > 0
+        store = _store(model, small)
+        seed = identity_seed(store.identity, "", BLOCK)
+        whole = set()
+        for i, t in enumerate(entries):
+            eid = entry_id(seed, t)
+            raw = r.get(store._redis.manifest_key(seed, eid))
+            blocks = [store._redis.block_key(seed, h) for h in block_chain(seed, t, BLOCK)]
+            if raw is None or not any(r.sismember(b, eid) for b in blocks):
+                continue
+            m = msgpack.unpackb(raw)
+            keys = [store._redis.piece_key(seed, eid, m["upload"], j) for j in range(len(m["pieces"]))]
+            if all(r.exists(k) for k in keys):
+                whole.add(i)
+        hits = set()
+        for i, t in enumerate(entries):
+            hit = store.take(t + [7])
+            if hit is not None:
+                hits.add(i)
+                want = forward(model, build(model, "bf16", {}, [], 1), t + [7])
+                np.testing.assert_array_equal(forward(model, hit.caches, [7]), want)
+        # reads can evict more (a reply buffer counts against maxmemory): a hit needs a whole entry
+        assert hits <= whole
+    finally:
+        small.stop()
+
+
+def test_redis_down_is_a_miss_and_a_reported_failure(models, tmp_path):
+    gone = RedisServer()
+    url = gone.url
+    gone.stop()
+    model = models("llama")
+    tokens = prompt(30, seed=1)
+    store = PromptStore(model, tokenizer(), cap=CAP, redis=url, block_tokens=BLOCK)
+    assert store.take(tokens + [1]) is None
+    store.put(tokens, build(model, "bf16", {}, tokens, 30))
+    report = store.flush()
+    assert [len(t) for _, t, _ in report.failed] == [30] and "shared tier" in report.failed[0][2]
+    assert store.take(tokens + [1]).tier == "ram"
+
+
+def test_the_layout_reads_back_without_mlxkv(models, server, r):
+    """docs/store.md's Redis layout is enough to read an entry with msgpack, json, zlib and
+    numpy alone: names from the seed and chain, manifest, pieces, checksums."""
+    import hashlib
+
+    model = models("llama")
+    tokens = prompt(40, seed=1)
+    caches = build(model, "bf16", {}, tokens, 40)
+    store = _store(model, server)
+    store.put(tokens, caches)
+    store.flush()
+    ident = store.identity
+    doc = {
+        "block": BLOCK,
+        "configFingerprint": ident["configFingerprint"],
+        "kvScheme": "",
+        "ns": "",
+        "tokenizerHash": ident["tokenizerHash"],
+    }
+    seed = hashlib.sha256(b"mlxkv-store-1\n" + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).digest()
+    space = seed[:16].hex()
+    u32 = np.asarray(tokens, dtype="<u4").tobytes()
+    h = hashlib.sha256(seed + u32[: 4 * BLOCK]).digest()  # the first block's chain hash
+    (eid,) = r.smembers(f"mlxkv:{space}:b:{h[:16].hex()}")
+    assert eid.decode() == hashlib.sha256(seed + u32).digest()[:16].hex()
+    manifest = msgpack.unpackb(r.get(f"mlxkv:{space}:m:{eid.decode()}"))
+    assert manifest["v"] == 1 and f"{zlib.crc32(manifest['header'].encode()):08x}" == manifest["headerCrc32"]
+    header = json.loads(manifest["header"])
+    assert header["tokens"] == tokens
+    data = {}
+    for i, (name, nbytes, crc) in enumerate(manifest["pieces"]):
+        piece = r.get(f"mlxkv:{space}:p:{eid.decode()}:{manifest['upload']}:{i}")
+        assert len(piece) == nbytes and zlib.crc32(piece) == crc
+        data[name] = data.get(name, b"") + piece
+    keys0 = header["caches"][0]["tensors"][0]
+    assert keys0["dtype"] == "BF16" and f"{zlib.crc32(data[keys0['name']]):08x}" == keys0["crc32"]
+    got = np.frombuffer(data[keys0["name"]], dtype="<u2").reshape(keys0["shape"])
+    np.testing.assert_array_equal(got, np.array(caches[0].keys[..., :40, :].view(mx.uint16)))
+    assert block_chain(seed, tokens, BLOCK)[0] == h
+    continuation(model, store.take(tokens + [1]).caches, [1])
