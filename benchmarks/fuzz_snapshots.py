@@ -21,10 +21,11 @@ import argparse
 import collections
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,9 @@ def worker(seed: int, start: int, stop: int, directory: str) -> int:
 
 
 class Worker:
-    def __init__(self, seed, start, stop, directory):
+    """A worker process; a thread forwards each line it prints (then None at its end)."""
+
+    def __init__(self, seed, start, stop, directory, lines: queue.Queue):
         self.stop = stop
         self.current = None
         self.proc = subprocess.Popen(
@@ -62,14 +65,22 @@ class Worker:
             bufsize=1,
         )
         self.last = time.monotonic()
+        threading.Thread(target=self._forward, args=(lines,), daemon=True).start()
+
+    def _forward(self, lines):
+        for line in self.proc.stdout:
+            lines.put((self, line))
+        lines.put((self, None))
 
 
 def run(cases: int, seed: int, workers: int, directory: str, log=print):
     import fuzzing
 
     per = -(-cases // workers)
-    ranges = [(k * per, min(cases, (k + 1) * per)) for k in range(workers) if k * per < cases]
-    active = [Worker(seed, a, b, directory) for a, b in ranges]
+    lines = queue.Queue()
+    active = {
+        Worker(seed, k * per, min(cases, (k + 1) * per), directory, lines) for k in range(workers) if k * per < cases
+    }
     table = collections.Counter()
     defects = []
     done, t0 = 0, time.monotonic()
@@ -85,34 +96,35 @@ def run(cases: int, seed: int, workers: int, directory: str, log=print):
 
     corpus = None
     while active:
-        ready, _, _ = select.select([w.proc.stdout for w in active], [], [], 5.0)
-        for w in list(active):
-            if w.proc.stdout in ready:
-                line = w.proc.stdout.readline()
-                if line:
-                    w.last = time.monotonic()
-                    msg = json.loads(line)
-                    if "start" in msg:
-                        w.current = msg["start"]
-                    else:
-                        record(msg["i"], msg["mutation"], msg["outcome"], msg["detail"], msg["base"])
-                        w.current = None
-                    continue
-            stalled = time.monotonic() - w.last > STALL_SECONDS
-            exited = w.proc.poll() is not None and (w.proc.stdout not in ready or not line)
-            if not (stalled or exited):
+        try:
+            w, line = lines.get(timeout=5.0)
+        except queue.Empty:
+            w, line = None, None
+        if w is not None and line:
+            w.last = time.monotonic()
+            msg = json.loads(line)
+            if "start" in msg:
+                w.current = msg["start"]
+            else:
+                record(msg["i"], msg["mutation"], msg["outcome"], msg["detail"], msg["base"])
+                w.current = None
+            continue
+        ended = [(w, False)] if w is not None else []  # a worker's output ended: it exited
+        ended += [(x, True) for x in active if time.monotonic() - x.last > STALL_SECONDS and x is not w]
+        for x, stalled in ended:
+            if x not in active:  # the end of a worker already killed as hung
                 continue
-            if stalled:
-                w.proc.kill()
-            w.proc.wait()
-            active.remove(w)
-            if w.current is not None:  # the case it was on killed it, or hung it
+            if stalled:  # silent on one case beyond the watchdog: hung
+                x.proc.kill()
+            x.proc.wait()
+            active.discard(x)
+            if x.current is not None:  # the case it was on killed it, or hung it
                 corpus = corpus or fuzzing.Corpus()
-                _, mutation, _, _ = fuzzing.make_case(corpus, seed, w.current)
+                _, mutation, _, _ = fuzzing.make_case(corpus, seed, x.current)
                 why = "hang" if stalled else "crash"
-                record(w.current, mutation, why, f"worker {'stalled' if stalled else f'exit {w.proc.returncode}'}")
-                if w.current + 1 < w.stop:
-                    active.append(Worker(seed, w.current + 1, w.stop, directory))
+                record(x.current, mutation, why, f"worker {'stalled' if stalled else f'exit {x.proc.returncode}'}")
+                if x.current + 1 < x.stop:
+                    active.add(Worker(seed, x.current + 1, x.stop, directory, lines))
     return table, defects, time.monotonic() - t0
 
 
