@@ -54,3 +54,8 @@ class SnapshotWriteError(SnapshotError, OSError):
 
 class EmptyCacheError(SnapshotError):
     """Asked to snapshot caches that hold no tokens."""
+
+
+class EagerDecodeWarning(UserWarning):
+    """A compiled decode step ran eagerly because a cache has no compiled-decode slot
+    (``CompiledDecoder(..., fallback="eager")``)."""

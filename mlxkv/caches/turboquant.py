@@ -14,18 +14,13 @@ Reads:
   un-rotates the attention output once, O(L d log d) instead of O(T d log d). Valid because
   attention is linear in V and the rotation is the same for every position and head.
 
-Compiled decode is a concat slot (docs/turboquant.md): ``prepare_decode_step()`` decodes the
-stored prefix outside the compiled graph; ``slot.step`` is a pure function (compile it with
-``mx.compile``) that encodes the new position, decodes it from its codes and joins it to the
-prefix; ``commit_decode_step(codes)`` packs and stores the codes after the step. Decoding is
-per position, so the joined window equals the window the ordinary read decodes, bit for bit.
+Compiled decode (``mlxkv.caches.slots``): the five arrays enter the graph at a fixed row
+count, the step decodes them and writes the new position decoded from its own codes at a
+traced row; decoding is per position, so the window equals the eager read's, bit for bit.
 
 It is deliberately not a ``KVCache`` subclass and has no attribute named ``bits``: mlx-lm
 would otherwise route it to its affine quantized SDPA.
 """
-
-from collections.abc import Callable
-from functools import cache
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -33,7 +28,6 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheConfigError, MLXKVError
 from ..math import turboquant as tq
 from .base import CacheContract
-from .decode_slot import DecodeSlot
 from .reads import AttentionRead
 from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
@@ -44,27 +38,6 @@ SLOTS = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
 def unrotate_output(out: mx.array) -> mx.array:
     """The deferred read's ``finish``: attention output back from the rotated value domain."""
     return tq.unrotate(out).astype(out.dtype)
-
-
-@cache
-def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Callable:
-    """The pure inside of a compiled decode step (one function object per configuration,
-    so ``mx.compile`` traces it once):
-
-    ``step(prefix_keys, prefix_values, keys, values) -> (keys_window, values_window, codes)``
-
-    ``keys``/``values`` are the new positions ``[B, H, L, D]``; ``codes`` are their unpacked
-    codes ``(kIdx, kScales, kZeros, vIdx, vScales)`` for :meth:`commit_decode_step`.
-    """
-
-    def step(prefix_keys, prefix_values, keys, values):
-        codes = tq.encode_codes(keys, values, k_bits, v_bits)
-        k_new, v_new = tq.decode_codes(codes, v_bits, rotated)
-        k_win = mx.concatenate([prefix_keys, k_new.astype(dtype)], axis=2)
-        v_win = mx.concatenate([prefix_values, v_new.astype(dtype)], axis=2)
-        return k_win, v_win, codes
-
-    return step
 
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
@@ -213,25 +186,6 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
 
     def append_window(self, keys: mx.array, values: mx.array, deferred: bool | None = None) -> AttentionRead:
         return self._read(keys, values, self.make_mask(keys.shape[2]), deferred)
-
-    # -- compiled decode: the concat slot ---------------------------------------------
-
-    def prepare_decode_step(self, dtype=None, deferred: bool | None = None) -> DecodeSlot:
-        """Decode the stored prefix (outside any compiled graph) for one decode step."""
-        if self.storage is None:
-            raise MLXKVError("a compiled TurboQuant decode step needs a cache that has been prefilled")
-        rotated = self.deferred if deferred is None else bool(deferred)
-        dtype = dtype or self.dtype
-        pk, pv = self._decoded(dtype, rotated)
-        step = decode_step_function(self.k_bits, self.v_bits, rotated, dtype)
-        return DecodeSlot(pk, pv, step, self.commit_decode_step, rotated, unrotate_output if rotated else None)
-
-    def commit_decode_step(self, codes):
-        """The write after the step: pack the step's codes and store them at ``offset``.
-        Returns the storage to evaluate with the step."""
-        k_idx = codes[0]
-        self._set_head_dim(k_idx.shape[3])
-        return self._write(tq.pack_codes(codes, self.k_bits, self.v_bits))
 
     # -- conversion and restore ---------------------------------------------------------
 
