@@ -287,42 +287,34 @@ def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
     assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 19
 
 
-# -- compiled decode: the concat slot ---------------------------------------------------
+# -- compiled decode: the TurboQuant slot -------------------------------------------------
 
 
-def prefilled(kb, vb, deferred, n=20, d=128):
-    c = TurboQuantKVCache(kb, vb, deferred=deferred)
-    c.update_and_fetch(*kv(n, d=d, dtype=mx.bfloat16))
-    return c
+@pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5), (5, 8)])
+def test_compiled_slot_window_is_the_eager_window_bit_for_bit(kb, vb):
+    """The slot decodes the codes in the graph and writes the new position decoded from its
+    own codes at a traced row: the attended window equals the eager read's, so attention
+    over it (padded rows masked) equals attention over the eager window."""
+    from mlxkv.caches.slots import decode_slot
 
+    a, b = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb)
+    for c in (a, b):
+        c.update_and_fetch(*kv(20, d=128, dtype=mx.bfloat16))
 
-@pytest.mark.parametrize("kb,vb,deferred", [(8, 3, False), (4, 2, True), (2, 5, False), (5, 8, True)])
-def test_compiled_decode_slot_joins_the_window_the_ordinary_read_decodes(kb, vb, deferred):
-    slot_cache, ordinary = prefilled(kb, vb, deferred), prefilled(kb, vb, deferred)
-    compiled = None
     for step in range(3):
         k1, v1 = kv(1, d=128, seed=50 + step, dtype=mx.bfloat16)
         q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(step)).astype(mx.bfloat16)
-        slot = slot_cache.prepare_decode_step()
-        assert slot.rotated == deferred and slot.prefix_keys.shape[2] == slot_cache.offset
+        slot = decode_slot(a)
+        assert slot.phase.rows == 256 and slot.phase.kind == a.kind
 
-        def attend(pk, pv, qq, kk, vv, step_fn=slot.step, finish=slot.finish):
-            kw, vw, codes = step_fn(pk, pv, kk, vv)
-            out = mx.fast.scaled_dot_product_attention(qq, kw, vw, scale=128**-0.5, mask=None)
-            return (finish(out) if finish else out), kw, vw, codes
+        def fn(q, k1, v1, arrays, layout=slot.layout):
+            sc = layout.open(arrays)
+            k, v = sc.update_and_fetch(k1, v1)
+            mask = sc.make_mask(1)
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5, mask=mask), sc.outputs()
 
-        compiled = compiled or mx.compile(attend)
-        eager_out = attend(slot.prefix_keys, slot.prefix_values, q, k1, v1)
-        out, kw, vw, codes = compiled(slot.prefix_keys, slot.prefix_values, q, k1, v1)
-        read = ordinary.append_decode(k1, v1)
-        assert mx.array_equal(kw, read.keys) and mx.array_equal(vw, read.values)  # bit for bit
-        assert mx.array_equal(eager_out[1], read.keys) and mx.array_equal(eager_out[2], read.values)
+        out, new = mx.compile(fn)(q, k1, v1, slot.arrays)
+        slot.commit(new, None)
+        read = b.append_decode(k1, v1)
         assert mx.array_equal(out, read.attend(q, 128**-0.5))
-        stored = slot_cache.commit_decode_step(codes)
-        assert len(stored) == 5 and slot_cache.offset == ordinary.offset
-        assert stored_equal(slot_cache.state, ordinary.state)
-
-
-def test_prepare_decode_step_needs_a_prefilled_cache():
-    with pytest.raises(mlxkv.MLXKVError, match="prefilled"):
-        TurboQuantKVCache(8, 3).prepare_decode_step()
+        assert a.offset == b.offset and stored_equal(a.state, b.state)

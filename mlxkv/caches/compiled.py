@@ -48,6 +48,7 @@ class CompiledDecoder:
         self.fallback = fallback
         self.traces = 0  # times the model was traced (one per layout tuple and shape)
         self.eager_steps = 0  # steps run eagerly (first appends, fallbacks)
+        self.last_phases = ()  # the phase of every cache in the last step
         self._compiled: dict[tuple, _Trace] = {}
 
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
@@ -55,12 +56,14 @@ class CompiledDecoder:
         if tokens.ndim != 2 or tokens.shape[1] != 1:
             raise MLXKVError(f"a compiled decode step takes tokens [B, 1], got shape {list(tokens.shape)}")
         slots = self._slots(caches)
+        self.last_phases = () if slots is None else tuple(s.phase for s in slots)
         if slots is None or any(isinstance(s.layout, EagerLayout) for s in slots):
             self.eager_steps += 1
             return self.model(tokens, cache=caches)
         layouts = tuple(s.layout for s in slots)
         trace = self._compiled.get(layouts) or self._compile(layouts)
-        logits, new = trace.fn(tokens, [s.arrays for s in slots])
+        # one token dtype (a prompt's int32, a sampler's uint32): a dtype change would retrace
+        logits, new = trace.fn(tokens.astype(mx.int32), [s.arrays for s in slots])
         for slot, n, effects in zip(slots, new, trace.effects):
             slot.commit(n, effects)
         return logits
