@@ -5,18 +5,24 @@ Measured in one run, side by side:
      bf16 keys and values (tokens/s; MB/s counts the bf16 K+V bytes encoded or decoded;
      best of the repeats);
   2. one decode step of one attention layer (append one position + attention over the
-     window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read,
-     the deferred read and the compiled-decode concat slot; repeats are interleaved and the
-     medians compared as ratios to bf16. The cache is trimmed back after every step so each
-     repeat sees the same context;
+     window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read
+     (the exact path: decode the window, then SDPA), the deferred read and the read from the
+     codes (``codes=True``: no decoded window). Repeats are interleaved; each round gives
+     every contender's ratio to the bf16 step of the same round, reported as the median and
+     the range over rounds. The cache is trimmed back after every step so each repeat sees
+     the same context;
   3. stored bytes per token and kv head, against bf16's 4*D;
   4. the KL divergence KL(bf16 || turbo) of the next-token distributions on the seeded
      models (bf16-first schemes ``turbo-k<k>v<v>``: prefill attended in bf16, then teacher-forced
      decode steps reading the TurboQuant storage). The seeded models have random weights: the
      numbers rank the configurations, they do not predict a trained model's quality.
 
+  5. logits of the codes read against the exact read on the seeded models (teacher-forced
+     decode steps through a named-read attention site): the largest difference, and whether
+     the greedy tokens agree.
+
 Usage: python benchmarks/turboquant.py [--heads 8 --q-heads 32 --dim 128 --contexts 1024 4096 16384
-                                        --repeats 5 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
+                                        --repeats 9 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
 """
 
 import argparse
@@ -85,55 +91,41 @@ def codec_throughput(heads, dim, tokens, repeats):
 # -- 2. decode step against bf16 ----------------------------------------------------------
 
 
+CONTENDERS = ("bf16", "eager", "deferred", "codes")
+
+
 def step_contenders(heads, q_heads, dim, context, kb, vb):
     k, v = normal((1, heads, context, dim), 3), normal((1, heads, context, dim), 4)
     k1, v1 = normal((1, heads, 1, dim), 5), normal((1, heads, 1, dim), 6)
     q = normal((1, q_heads, 1, dim), 7)
     scale = dim**-0.5
 
-    plain = KVCache()
-    plain.update_and_fetch(k, v)
-    src = KVCache()
-    src.update_and_fetch(k, v)
-    eager = TurboQuantKVCache.from_cache(src, kb, vb)
-    src = KVCache()
-    src.update_and_fetch(k, v)
-    deferred = TurboQuantKVCache.from_cache(src, kb, vb, deferred=True)
-    src = KVCache()
-    src.update_and_fetch(k, v)
-    slotted = TurboQuantKVCache.from_cache(src, kb, vb)
-    mx.eval(plain.keys, eager.storage, deferred.storage, slotted.storage)
+    def filled(make):
+        src = KVCache()
+        src.update_and_fetch(k, v)
+        return make(src)
+
+    plain = filled(lambda c: c)
+    turbo = {
+        "eager": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb)),
+        "deferred": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=True)),
+        "codes": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, codes=True)),
+    }
+    mx.eval(plain.keys, [c.storage for c in turbo.values()])
 
     def bf16_step():
         kk, vv = plain.update_and_fetch(k1, v1)
         mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=None))
         plain.trim(1)
 
-    def eager_step():
-        mx.eval(eager.append_decode(k1, v1).attend(q, scale))
-        eager.trim(1)
+    def turbo_step(cache):
+        def step():
+            mx.eval(cache.append_decode(k1, v1).attend(q, scale))
+            cache.trim(1)
 
-    def deferred_step():
-        mx.eval(deferred.append_decode(k1, v1).attend(q, scale))
-        deferred.trim(1)
+        return step
 
-    compiled = {}
-
-    def slot_step():
-        slot = slotted.prepare_decode_step()
-        fn = compiled.setdefault(
-            "fn", mx.compile(lambda pk, pv, qq, kk, vv: _attend(slot.step, pk, pv, qq, kk, vv, scale))
-        )
-        out, codes = fn(slot.prefix_keys, slot.prefix_values, q, k1, v1)
-        mx.eval(out, slotted.commit_decode_step(codes))
-        slotted.trim(1)
-
-    return {"bf16": bf16_step, "eager": eager_step, "deferred": deferred_step, "slot": slot_step}
-
-
-def _attend(step, pk, pv, q, k1, v1, scale):
-    kw, vw, codes = step(pk, pv, k1, v1)
-    return mx.fast.scaled_dot_product_attention(q, kw, vw, scale=scale, mask=None), codes
+    return {"bf16": bf16_step, **{name: turbo_step(c) for name, c in turbo.items()}}
 
 
 def decode_steps(heads, q_heads, dim, contexts, repeats):
@@ -149,17 +141,20 @@ def decode_steps(heads, q_heads, dim, contexts, repeats):
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
-            med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            rows.append(
-                {
-                    "context": context,
-                    "kBits": kb,
-                    "vBits": vb,
-                    **{f"{n}_ms": m for n, m in med.items()},
-                    **{f"{n}_vs_bf16": med[n] / med["bf16"] for n in ("eager", "deferred", "slot")},
-                }
+            row = {"context": context, "kBits": kb, "vBits": vb}
+            for name, t in times.items():
+                row[f"{name}_ms"] = statistics.median(t) * 1e3
+                if name != "bf16":
+                    ratios = [a / b for a, b in zip(t, times["bf16"])]
+                    row[f"{name}_vs_bf16"] = statistics.median(ratios)
+                    row[f"{name}_vs_bf16_range"] = [min(ratios), max(ratios)]
+            rows.append(row)
+            print(
+                f"  {context:>6} k{kb}v{vb}: "
+                + "  ".join(f"{n} {row[n + '_vs_bf16']:.2f}x" for n in CONTENDERS[1:]),
+                flush=True,
             )
-    return {"heads": heads, "q_heads": q_heads, "head_dim": dim, "rows": rows}
+    return {"heads": heads, "q_heads": q_heads, "head_dim": dim, "repeats": repeats, "rows": rows}
 
 
 # -- 3. bytes per token ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ import warnings
 import mlx.core as mx
 import mlx_lm
 import mlx_lm.models.gemma3_text
+import mlx_lm.models.lfm2
 import mlx_lm.models.llama
 import pytest
 from conftest import greedy, run
@@ -184,7 +185,7 @@ class NamedReadSite:
 
 @pytest.fixture
 def named_read_sites(monkeypatch):
-    for module in (mlx_lm.models.llama, mlx_lm.models.gemma3_text):
+    for module in (mlx_lm.models.llama, mlx_lm.models.gemma3_text, mlx_lm.models.lfm2):
         real = module.scaled_dot_product_attention
 
         def sdpa(q, k, v, cache, scale, mask, sinks=None, real=real):
@@ -195,15 +196,16 @@ def named_read_sites(monkeypatch):
         monkeypatch.setattr(module, "scaled_dot_product_attention", sdpa)
 
 
-def turbo_caches(model, kb, vb, deferred):
-    """The model's layout with TurboQuant (from token zero) on the full-attention layers."""
+def turbo_caches(model, kb, vb, deferred, codes=False):
+    """The model's layout with TurboQuant (from token zero) on the full-attention layers,
+    behind named-read sites when the read is not the eager one."""
     caches = make_cache(model, "bf16")
     out = []
     for c in caches:
         if c.kind == "kv:plain":
-            t = TurboQuantKVCache(kb, vb, deferred=deferred)
+            t = TurboQuantKVCache(kb, vb, deferred=deferred, codes=codes)
             t.masks = c.masks
-            c = NamedReadSite(t) if deferred else t
+            c = NamedReadSite(t) if deferred or codes else t
         out.append(c)
     return out
 
@@ -228,6 +230,59 @@ def test_eager_and_deferred_run_inside_mlx_lm_generate(models, named_read_sites,
     for caches in (eager, deferred):
         text = mlx_lm.generate(model, tok, prompt(10, seed=5), max_tokens=4, prompt_cache=caches)
         assert isinstance(text, str) and all(c.offset >= 39 for c in caches)
+
+
+@pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5), (5, 8)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_codes_read_agrees_with_the_exact_read(kb, vb, d):
+    """float32: equal up to summation order; bfloat16: closer to float32 attention over the
+    decoded window than the exact read (which rounds the window to bfloat16)."""
+    k, v = kv(40, d=d, H=2)
+    q = mx.random.normal((1, 6, 3, d), key=mx.random.key(9))
+    for dtype, tol in ((mx.float32, 1e-5), (mx.bfloat16, None)):
+        exact, fast = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, codes=True)
+        ra, rb = (
+            exact.append_window(k.astype(dtype), v.astype(dtype)),
+            fast.append_window(k.astype(dtype), v.astype(dtype)),
+        )
+        assert stored_equal(exact.state, fast.state)  # the read never changes what is stored
+        a, b = ra.attend(q.astype(dtype), d**-0.5), rb.attend(q.astype(dtype), d**-0.5)
+        assert b.dtype == dtype and b.shape == (1, 6, 3, d)
+        if tol is not None:
+            assert mx.abs(a - b).max().item() < tol
+        else:
+            dk, dv = tq.decode(fast.state, kb, vb)
+            truth = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=d**-0.5, mask="causal")
+            assert (
+                mx.abs(b.astype(mx.float32) - truth).max().item() <= mx.abs(a.astype(mx.float32) - truth).max().item()
+            )
+    k1, v1 = kv(1, d=d, seed=5)
+    read = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16))
+    assert read.mask is None and mx.array_equal(read.keys, tq.decode(fast.state, kb, vb)[0].astype(mx.bfloat16))
+    plain = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16), codes=False)
+    assert plain.finish is None and not hasattr(plain, "stored")  # the exact read, per call
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "hybrid"])
+def test_codes_read_inside_mlx_lm_generate(models, named_read_sites, arch):
+    """float32 seeded models: the same greedy tokens as the exact read, log-probabilities
+    within 1e-3; bfloat16: teacher-forced log-probabilities within 0.25 (the exact read's
+    bfloat16 window is the larger error; docs/turboquant.md)."""
+    model = models(arch, dtype=mx.float32)
+    p = prompt(24, seed=4)
+    for kb, vb in ((8, 3), (4, 2)):
+        a = logprob_trace(model, turbo_caches(model, kb, vb, False), p, 24)
+        b = logprob_trace(model, turbo_caches(model, kb, vb, False, codes=True), p, 24)
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(mx.abs(x - y).max().item() for (_, x), (_, y) in zip(a, b)) < 1e-3
+    model = models(arch)
+    caches = {read: turbo_caches(model, 8, 3, False, codes=read) for read in (False, True)}
+    logps = {read: [] for read in caches}
+    for t in prompt(32, seed=7):
+        for read, c in caches.items():
+            out = model(mx.array([[t]]), cache=c)[0, -1].astype(mx.float32)
+            logps[read].append(out - mx.logsumexp(out))
+    assert max(mx.abs(x - y).max().item() for x, y in zip(logps[False], logps[True])) < 0.25
 
 
 def test_gemma3_sliding_layers_stay_rotating_bf16_with_one_warning(models):
