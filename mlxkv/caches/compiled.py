@@ -18,6 +18,7 @@ without an mlxkv kind) raises :class:`~mlxkv.errors.UnknownKindError`, or, with
 """
 
 import warnings
+from collections import OrderedDict
 
 import mlx.core as mx
 
@@ -41,15 +42,18 @@ class CompiledDecoder:
     with attention modules that call ``cache.update_and_fetch``, ``cache.offset`` for RoPE
     and ``cache.make_mask``/``create_attention_mask``)."""
 
-    def __init__(self, model, fallback: str = "raise"):
+    def __init__(self, model, fallback: str = "raise", max_traces: int = 16):
         if fallback not in FALLBACKS:
             raise MLXKVError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if not isinstance(max_traces, int) or max_traces < 1:
+            raise MLXKVError(f"max_traces must be an integer >= 1, got {max_traces!r}")
         self.model = model
         self.fallback = fallback
+        self.max_traces = max_traces  # compiled steps kept (least recently used dropped)
         self.traces = 0  # times the model was traced (one per layout tuple and shape)
         self.eager_steps = 0  # steps run eagerly (first appends, fallbacks)
         self.last_phases = ()  # the phase of every cache in the last step
-        self._compiled: dict[tuple, _Trace] = {}
+        self._compiled: OrderedDict[tuple, _Trace] = OrderedDict()
 
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
         """One decode step: ``tokens`` [B, 1] -> logits [B, 1, vocab]; the caches advance."""
@@ -62,6 +66,7 @@ class CompiledDecoder:
             return self.model(tokens, cache=caches)
         layouts = tuple(s.layout for s in slots)
         trace = self._compiled.get(layouts) or self._compile(layouts)
+        self._compiled.move_to_end(layouts)
         # one token dtype (a prompt's int32, a sampler's uint32): a dtype change would retrace
         logits, new = trace.fn(tokens.astype(mx.int32), [s.arrays for s in slots])
         for slot, n, effects in zip(slots, new, trace.effects):
@@ -94,6 +99,8 @@ class CompiledDecoder:
 
         trace = _Trace(mx.compile(step, inputs=[self.model.state]))
         self._compiled[layouts] = trace
+        if len(self._compiled) > self.max_traces:  # capacities only grow: old ones rarely return
+            self._compiled.popitem(last=False)
         return trace
 
 
@@ -102,9 +109,9 @@ class CompiledModel:
     ``mlx_lm.generate``/``stream_generate`` with ``prompt_cache=mlxkv.make_cache(model, ...)``.
     Every other call (a prompt, no cache, input embeddings) is the model's own."""
 
-    def __init__(self, model, fallback: str = "raise"):
+    def __init__(self, model, fallback: str = "raise", max_traces: int = 16):
         self.model = model
-        self.decoder = CompiledDecoder(model, fallback)
+        self.decoder = CompiledDecoder(model, fallback, max_traces)
 
     def __call__(self, inputs, cache=None, input_embeddings=None, **kwargs):
         if cache is not None and input_embeddings is None and not kwargs and inputs.ndim == 2 and inputs.shape[1] == 1:
@@ -119,6 +126,6 @@ class CompiledModel:
         return getattr(self.model, name)
 
 
-def compiled_model(model, fallback: str = "raise") -> CompiledModel:
+def compiled_model(model, fallback: str = "raise", max_traces: int = 16) -> CompiledModel:
     """``model`` decoding through a :class:`CompiledDecoder` (see :class:`CompiledModel`)."""
-    return CompiledModel(model, fallback)
+    return CompiledModel(model, fallback, max_traces)
