@@ -8,9 +8,9 @@ the graph by its family (``mlxkv.caches.slots``):
   of the input arrays: the family's constants and the :class:`Phase`. Equal layouts share
   one trace.
 - ``arrays``: the graph inputs. Attention caches hand in their stored window at a row count
-  that is fixed for the phase (a linear cache's positions rounded up to 256 rows, a ring's
-  buffer), the RoPE position of the new token and the row it is written to (int32 scalars:
-  traced inputs, so the trace does not depend on them). Recurrent state hands in its arrays.
+  that is fixed for the phase (a buffer's capacity, positions rounded up to 256 rows, a
+  ring), the RoPE position of the new token and the row it is written to (int32: traced
+  inputs, so the trace does not depend on them). Recurrent state hands in its arrays.
 - ``commit(new, effects)``: the write after the step. ``new`` is what the stand-in recorded:
   the step's new keys and values, then the window arrays with the new position written.
   Plain, affine and ring slots hand in the cache's own buffer (grown outside the graph

@@ -1,10 +1,10 @@
 """The compiled-decode slot of every family, ``decode_slot(cache)`` and ``decode_phase(cache)``.
 
-Each builder reads a cache's integers and arrays and changes nothing (the commit, after the
-step, is the cache's own append). Which builder a cache gets is its family's
+Each builder reads a cache's integers and arrays and changes nothing; the commit, after the
+step, writes (docs/compiled.md). Which builder a cache gets is its family's
 (``mlxkv.families``); a family without one raises :class:`~mlxkv.errors.UnknownKindError`.
 
-Phases (docs/caches.md, "Compiled decode"):
+Phases:
 
 - plain, affine: ``window`` over the cache's buffer as the append grows it (256-row steps),
   so a trace serves 256 consecutive steps; TurboQuant: ``window`` over its codes, the
@@ -43,10 +43,12 @@ def window_rows(n: int) -> int:
 
 
 def _fit(a: mx.array, rows: int) -> mx.array:
-    """``a`` [B, H, T, X] with exactly ``rows`` rows on axis 2: a view when it holds enough,
-    zero rows added otherwise."""
+    """``a`` [B, H, T, X] with exactly ``rows`` rows on axis 2: itself, a view when it holds
+    more, zero rows added when it holds fewer."""
     have = a.shape[2]
-    if have >= rows:
+    if have == rows:
+        return a  # the cache's own buffer: the step may write it in place
+    if have > rows:
         return a[..., :rows, :]
     return mx.concatenate([a, mx.zeros((*a.shape[:2], rows - have, a.shape[3]), a.dtype)], axis=2)
 
