@@ -187,6 +187,25 @@ def test_a_cache_without_a_slot_is_loud(models):
         CompiledDecoder(model)(mx.array([[1, 2]]), mlxkv.make_cache(model, "bf16"))
 
 
+def test_a_model_that_cannot_be_traced_is_loud_and_changes_nothing(models):
+    """A model reading the position as a Python integer cannot be traced: an error of ours
+    (or, with fallback='eager', a warning and the eager step), the caches untouched."""
+    model = models("llama")
+
+    def peeky(inputs, cache=None):
+        return model(inputs, cache=cache) + int(cache[0].offset) * 0
+
+    caches = mlxkv.make_cache(model, "bf16")
+    model(mx.array(prompt(6))[None], cache=caches)
+    with pytest.raises(mlxkv.MLXKVError, match="cannot run a compiled decode step"):
+        CompiledDecoder(peeky)(mx.array([[1]]), caches)
+    assert caches[0].offset == 6
+    dec = CompiledDecoder(peeky, fallback="eager")
+    with pytest.warns(mlxkv.EagerDecodeWarning, match="tracing the model failed"):
+        dec(mx.array([[1]]), caches)
+    assert caches[0].offset == 7 and dec.eager_steps == 1
+
+
 def test_decode_phase_predicts_without_changing_the_cache(models):
     model = models("llama")
     caches = mlxkv.make_cache(model, "turbo-k8v3")

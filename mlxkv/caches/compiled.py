@@ -67,8 +67,23 @@ class CompiledDecoder:
         layouts = tuple(s.layout for s in slots)
         trace = self._compiled.get(layouts) or self._compile(layouts)
         self._compiled.move_to_end(layouts)
-        # one token dtype (a prompt's int32, a sampler's uint32): a dtype change would retrace
-        logits, new = trace.fn(tokens.astype(mx.int32), [s.arrays for s in slots])
+        try:
+            # one token dtype (a prompt's int32, a sampler's uint32): a dtype change would retrace
+            logits, new = trace.fn(tokens.astype(mx.int32), [s.arrays for s in slots])
+        except Exception as e:  # the trace failed; nothing was written to the caches
+            del self._compiled[layouts]
+            if self.fallback == "raise":
+                raise MLXKVError(
+                    f"the model cannot run a compiled decode step ({type(e).__name__}: {e}); decode it "
+                    "eagerly, or pass fallback='eager'"
+                ) from e
+            warnings.warn(
+                f"compiled decode: tracing the model failed ({e}); this step runs eagerly",
+                EagerDecodeWarning,
+                stacklevel=2,
+            )
+            self.eager_steps += 1
+            return self.model(tokens, cache=caches)
         for slot, n, effects in zip(slots, new, trace.effects):
             slot.commit(n, effects)
         return logits
@@ -97,7 +112,9 @@ class CompiledDecoder:
             trace.effects = [c.effects() for c in stand_ins]
             return logits, [c.outputs() for c in stand_ins]
 
-        trace = _Trace(mx.compile(step, inputs=[self.model.state]))
+        # the weights are inputs of the trace, not constants: a model updated later is seen
+        state = getattr(self.model, "state", None)
+        trace = _Trace(mx.compile(step, inputs=None if state is None else [state]))
         self._compiled[layouts] = trace
         if len(self._compiled) > self.max_traces:  # capacities only grow: old ones rarely return
             self._compiled.popitem(last=False)
