@@ -142,6 +142,22 @@ def test_rings_narrower_windows_and_sinks_use_mlx_lms_rolled_mask(models):
     assert eager[0].offset == 60 > 48 and dec.traces == 2
 
 
+def test_rows_of_one_serial_cache_decode_together(models):
+    """Serial caches holding several rows of equal length (a batch prefilled together)."""
+    model = models("llama")
+    eager, comp = mlxkv.make_cache(model, "kv8-g32"), mlxkv.make_cache(model, "kv8-g32")
+    p = mx.array([prompt(12, seed=1), prompt(12, seed=2)])
+    for c in (eager, comp):
+        model(p, cache=c)
+    dec = CompiledDecoder(model)
+    y = mx.array([[3], [4]])
+    for _ in range(5):
+        a, b = model(y, cache=eager), dec(y, comp)
+        assert a.shape == (2, 1, 256) and mx.array_equal(a, b).item()
+        y = mx.argmax(a[:, -1], axis=-1)[:, None]
+    assert dec.traces == 1
+
+
 def test_the_first_append_to_an_empty_cache_runs_eagerly(models):
     model = models("hybrid")
     eager, comp = mlxkv.make_cache(model, "kv8-g32"), mlxkv.make_cache(model, "kv8-g32")
