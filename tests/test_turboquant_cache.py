@@ -345,6 +345,16 @@ def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
 # -- compiled decode: the TurboQuant slot -------------------------------------------------
 
 
+def test_stacked_boundary_counting_gives_the_same_codes():
+    """The compiled slot counts boundaries with one stacked comparison (a small kernel for
+    the CPU backend's compiler); the codes equal the accumulated form, NaN and inf included."""
+    odd = mx.array([[[float("nan")] * 32 + [float("inf")] * 32 + [-float("inf")] * 32 + [0.0] * 32]])
+    y = mx.concatenate([mx.random.normal((1, 6, 128), key=mx.random.key(4)) * 3, odd.astype(mx.float32)], axis=1)
+    for vb in tq.V_BITS:
+        a, b = tq.encode_values(y, vb), tq.encode_values(y, vb, stacked=True)
+        assert all(mx.array_equal(x, z, equal_nan=True).item() for x, z in zip(a, b))
+
+
 @pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5), (5, 8)])
 def test_compiled_slot_window_is_the_eager_window_bit_for_bit(kb, vb):
     """The slot decodes the codes in the graph and writes the new position decoded from its

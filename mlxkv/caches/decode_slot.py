@@ -101,7 +101,8 @@ class TurboStore:
 
     def join(self, keys, values, k, v, at):
         dk, dv = tq.decode(keys, self.k_bits, self.v_bits)
-        nk, nv = tq.decode_codes(tq.encode_codes(k, v, self.k_bits, self.v_bits), self.v_bits)
+        codes = tq.encode_codes(k, v, self.k_bits, self.v_bits, stacked=True)  # one position
+        nk, nv = tq.decode_codes(codes, self.v_bits)
         put = lambda a, x: mx.slice_update(a.astype(k.dtype), x.astype(k.dtype), at, axes=(2,))
         return put(dk, nk), put(dv, nv)
 
