@@ -13,8 +13,9 @@ prompts (more than one position) run eagerly.
 
 Steps that cannot be compiled: an empty cache's first append runs eagerly (it fixes the
 cache's geometry, like a prefill). A cache whose kind has no slot (a batched layout, a cache
-without an mlxkv kind) raises :class:`~mlxkv.errors.UnknownKindError`, or, with
-``fallback="eager"``, runs that step eagerly with an :class:`~mlxkv.errors.EagerDecodeWarning`.
+without an mlxkv kind) raises :class:`~mlxkv.errors.UnknownKindError`, and a model that
+cannot be traced raises :class:`~mlxkv.errors.MLXKVError`, before anything is written; with
+``fallback="eager"`` such a step runs eagerly with an :class:`~mlxkv.errors.EagerDecodeWarning`.
 """
 
 import warnings
