@@ -5,21 +5,28 @@ Measured in one run, side by side:
      bf16 keys and values (tokens/s; MB/s counts the bf16 K+V bytes encoded or decoded;
      best of the repeats);
   2. one decode step of one attention layer (append one position + attention over the
-     window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read,
-     the deferred read and the compiled-decode concat slot; repeats are interleaved and the
-     medians compared as ratios to bf16. The cache is trimmed back after every step so each
-     repeat sees the same context;
+     window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read
+     (the exact path: decode the window, then SDPA), the deferred read and the read from the
+     codes (``codes=True``: no decoded window). Repeats are interleaved; each round gives
+     every contender's ratio to the bf16 step of the same round, reported as the median and
+     the range over rounds. The cache is trimmed back after every step so each repeat sees
+     the same context;
   3. stored bytes per token and kv head, against bf16's 4*D;
   4. the KL divergence KL(bf16 || turbo) of the next-token distributions on the seeded
      models (bf16-first schemes ``turbo-k<k>v<v>``: prefill attended in bf16, then teacher-forced
      decode steps reading the TurboQuant storage). The seeded models have random weights: the
      numbers rank the configurations, they do not predict a trained model's quality.
 
+  5. logits of the codes read against the exact read on the seeded models (teacher-forced
+     decode steps through a named-read attention site): the largest difference, and whether
+     the greedy tokens agree.
+
 Usage: python benchmarks/turboquant.py [--heads 8 --q-heads 32 --dim 128 --contexts 1024 4096 16384
-                                        --repeats 5 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
+                                        --repeats 9 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,6 +45,7 @@ from mlxkv.seeded import build_model, prompt
 
 PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]
 STEP_PAIRS = [(8, 3), (4, 2)]
+SECTIONS = ("codec", "decode_step", "bytes_per_token", "kl", "codes")
 
 
 def normal(shape, seed, dtype=mx.bfloat16):
@@ -85,55 +93,41 @@ def codec_throughput(heads, dim, tokens, repeats):
 # -- 2. decode step against bf16 ----------------------------------------------------------
 
 
+CONTENDERS = ("bf16", "eager", "deferred", "codes")
+
+
 def step_contenders(heads, q_heads, dim, context, kb, vb):
     k, v = normal((1, heads, context, dim), 3), normal((1, heads, context, dim), 4)
     k1, v1 = normal((1, heads, 1, dim), 5), normal((1, heads, 1, dim), 6)
     q = normal((1, q_heads, 1, dim), 7)
     scale = dim**-0.5
 
-    plain = KVCache()
-    plain.update_and_fetch(k, v)
-    src = KVCache()
-    src.update_and_fetch(k, v)
-    eager = TurboQuantKVCache.from_cache(src, kb, vb)
-    src = KVCache()
-    src.update_and_fetch(k, v)
-    deferred = TurboQuantKVCache.from_cache(src, kb, vb, deferred=True)
-    src = KVCache()
-    src.update_and_fetch(k, v)
-    slotted = TurboQuantKVCache.from_cache(src, kb, vb)
-    mx.eval(plain.keys, eager.storage, deferred.storage, slotted.storage)
+    def filled(make):
+        src = KVCache()
+        src.update_and_fetch(k, v)
+        return make(src)
+
+    plain = filled(lambda c: c)
+    turbo = {
+        "eager": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb)),
+        "deferred": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=True)),
+        "codes": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, codes=True)),
+    }
+    mx.eval(plain.keys, [c.storage for c in turbo.values()])
 
     def bf16_step():
         kk, vv = plain.update_and_fetch(k1, v1)
         mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=None))
         plain.trim(1)
 
-    def eager_step():
-        mx.eval(eager.append_decode(k1, v1).attend(q, scale))
-        eager.trim(1)
+    def turbo_step(cache):
+        def step():
+            mx.eval(cache.append_decode(k1, v1).attend(q, scale))
+            cache.trim(1)
 
-    def deferred_step():
-        mx.eval(deferred.append_decode(k1, v1).attend(q, scale))
-        deferred.trim(1)
+        return step
 
-    compiled = {}
-
-    def slot_step():
-        slot = slotted.prepare_decode_step()
-        fn = compiled.setdefault(
-            "fn", mx.compile(lambda pk, pv, qq, kk, vv: _attend(slot.step, pk, pv, qq, kk, vv, scale))
-        )
-        out, codes = fn(slot.prefix_keys, slot.prefix_values, q, k1, v1)
-        mx.eval(out, slotted.commit_decode_step(codes))
-        slotted.trim(1)
-
-    return {"bf16": bf16_step, "eager": eager_step, "deferred": deferred_step, "slot": slot_step}
-
-
-def _attend(step, pk, pv, q, k1, v1, scale):
-    kw, vw, codes = step(pk, pv, k1, v1)
-    return mx.fast.scaled_dot_product_attention(q, kw, vw, scale=scale, mask=None), codes
+    return {"bf16": bf16_step, **{name: turbo_step(c) for name, c in turbo.items()}}
 
 
 def decode_steps(heads, q_heads, dim, contexts, repeats):
@@ -149,17 +143,19 @@ def decode_steps(heads, q_heads, dim, contexts, repeats):
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
-            med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            rows.append(
-                {
-                    "context": context,
-                    "kBits": kb,
-                    "vBits": vb,
-                    **{f"{n}_ms": m for n, m in med.items()},
-                    **{f"{n}_vs_bf16": med[n] / med["bf16"] for n in ("eager", "deferred", "slot")},
-                }
+            row = {"context": context, "kBits": kb, "vBits": vb}
+            for name, t in times.items():
+                row[f"{name}_ms"] = statistics.median(t) * 1e3
+                if name != "bf16":
+                    ratios = [a / b for a, b in zip(t, times["bf16"])]
+                    row[f"{name}_vs_bf16"] = statistics.median(ratios)
+                    row[f"{name}_vs_bf16_range"] = [min(ratios), max(ratios)]
+            rows.append(row)
+            print(
+                f"  {context:>6} k{kb}v{vb}: " + "  ".join(f"{n} {row[n + '_vs_bf16']:.2f}x" for n in CONTENDERS[1:]),
+                flush=True,
             )
-    return {"heads": heads, "q_heads": q_heads, "head_dim": dim, "rows": rows}
+    return {"heads": heads, "q_heads": q_heads, "head_dim": dim, "repeats": repeats, "rows": rows}
 
 
 # -- 3. bytes per token ---------------------------------------------------------------------
@@ -214,10 +210,107 @@ def kl_rows(prefill, steps):
     return {"prefill": prefill, "steps": steps, "rows": rows}
 
 
+# -- 5. the codes read against the exact read on the seeded models -----------------------
+
+
+class NamedReadSite:
+    """A cache behind the named reads: the model's append becomes ``append_decode`` /
+    ``append_window`` and its attention call (patched below) attends through that read."""
+
+    def __init__(self, cache):
+        self.cache, self.read = cache, None
+
+    def update_and_fetch(self, keys, values):
+        name = "append_decode" if keys.shape[2] == 1 else "append_window"
+        self.read = getattr(self.cache, name)(keys, values)
+        return self.read.keys, self.read.values
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+@contextlib.contextmanager
+def named_read_attention():
+    """Route the seeded architectures' attention calls on a ``NamedReadSite`` to its read."""
+    import mlx_lm.models.gemma3_text
+    import mlx_lm.models.lfm2
+    import mlx_lm.models.llama
+
+    modules = (mlx_lm.models.llama, mlx_lm.models.gemma3_text, mlx_lm.models.lfm2)
+    saved = [m.scaled_dot_product_attention for m in modules]
+    for m, real in zip(modules, saved):
+
+        def sdpa(q, k, v, cache, scale, mask, sinks=None, real=real):
+            if isinstance(cache, NamedReadSite):
+                return cache.read.attend(q, scale)
+            return real(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+        m.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        for m, real in zip(modules, saved):
+            m.scaled_dot_product_attention = real
+
+
+def codes_rows(prefill, steps):
+    """Teacher-forced decode steps, exact read against codes read (TurboQuant from token
+    zero on the full-attention layers): the largest log-probability difference, how many
+    steps pick a different greedy token, in the seeded models' bfloat16 and in float32."""
+    rows = []
+    tokens = prompt(prefill + steps, seed=12)
+    with named_read_attention():
+        for dtype in ("bfloat16", "float32"):
+            for arch in ("llama", "gemma3", "hybrid"):
+                model = build_model(arch, dtype=getattr(mx, dtype))
+                for kb, vb in STEP_PAIRS:
+
+                    def trace(codes, model=model, kb=kb, vb=vb):
+                        caches = []
+                        for c in make_cache(model, "bf16"):
+                            if c.kind == "kv:plain":
+                                t = TurboQuantKVCache(kb, vb, codes=codes)
+                                t.masks = c.masks
+                                c = NamedReadSite(t)
+                            caches.append(c)
+                        model(mx.array(tokens[:prefill])[None], cache=caches)
+                        out = []
+                        for t in tokens[prefill:]:
+                            logits = model(mx.array([[t]]), cache=caches)[0, -1].astype(mx.float32)
+                            out.append(logits - mx.logsumexp(logits))
+                        return mx.stack(out)
+
+                    exact, fast = trace(False), trace(True)
+                    rows.append(
+                        {
+                            "dtype": dtype,
+                            "model": arch,
+                            "kBits": kb,
+                            "vBits": vb,
+                            "max_abs_logprob_diff": mx.abs(exact - fast).max().item(),
+                            "greedy_differs": int(mx.sum(mx.argmax(exact, -1) != mx.argmax(fast, -1)).item()),
+                        }
+                    )
+    return {"prefill": prefill, "steps": steps, "rows": rows}
+
+
 # -- report ---------------------------------------------------------------------------------
 
 
 def print_tables(res):
+    if "codec" in res:
+        print_codec(res)
+    if "decode_step" in res:
+        print_steps(res)
+    if "bytes_per_token" in res:
+        print_bytes(res)
+    if "kl" in res:
+        print_kl(res)
+    if "codes" in res:
+        print_codes(res)
+
+
+def print_codec(res):
     print(
         f"\nCodec throughput ([1, {res['codec']['heads']}, {res['codec']['tokens']}, "
         f"{res['codec']['head_dim']}] bf16 K+V)"
@@ -228,18 +321,29 @@ def print_tables(res):
             f"{r['kBits']}/{r['vBits']:<3} {r['encode_tokens_per_s']:11.0f} {r['encode_MB_per_s']:9.1f} "
             f"{r['decode_tokens_per_s']:11.0f} {r['decode_MB_per_s']:9.1f}"
         )
+
+
+def print_steps(res):
     s = res["decode_step"]
-    print(f"\nDecode step, one layer ({s['heads']} kv heads, {s['q_heads']} q heads, D={s['head_dim']}), median ms")
     print(
-        f"{'ctx':>6} {'k/v':>5} {'bf16':>8} {'eager':>8} {'deferred':>9} {'slot':>8} {'eager/bf16':>11} "
-        f"{'defer/bf16':>11} {'slot/bf16':>10}"
+        f"\nDecode step, one layer ({s['heads']} kv heads, {s['q_heads']} q heads, D={s['head_dim']}): "
+        f"median ms over {s['repeats']} interleaved rounds; ratio to bf16 median [min-max over rounds]"
+    )
+    print(
+        f"{'ctx':>6} {'k/v':>5} "
+        + " ".join(f"{n:>8}" for n in CONTENDERS)
+        + "".join(f" {n + '/bf16':>20}" for n in CONTENDERS[1:])
     )
     for r in s["rows"]:
-        print(
-            f"{r['context']:>6} {r['kBits']}/{r['vBits']:<3} {r['bf16_ms']:8.2f} {r['eager_ms']:8.2f} "
-            f"{r['deferred_ms']:9.2f} {r['slot_ms']:8.2f} {r['eager_vs_bf16']:11.2f} "
-            f"{r['deferred_vs_bf16']:11.2f} {r['slot_vs_bf16']:10.2f}"
+        ms = " ".join(f"{r[n + '_ms']:8.1f}" for n in CONTENDERS)
+        ratios = "".join(
+            f" {r[n + '_vs_bf16']:6.2f} [{r[n + '_vs_bf16_range'][0]:.2f}-{r[n + '_vs_bf16_range'][1]:.2f}]"
+            for n in CONTENDERS[1:]
         )
+        print(f"{r['context']:>6} {r['kBits']}/{r['vBits']:<3} {ms}{ratios}")
+
+
+def print_bytes(res):
     print("\nBytes per token and kv head (D=128; bf16 = 512)")
     print(
         "  "
@@ -249,6 +353,9 @@ def print_tables(res):
             if r["head_dim"] == 128
         )
     )
+
+
+def print_kl(res):
     k = res["kl"]
     print(f"\nKL(bf16 || turbo) per decode step, seeded models ({k['prefill']} prefill, {k['steps']} steps)")
     print(f"{'k/v':>5} {'llama mean':>11} {'llama max':>10} {'gemma3 mean':>12} {'gemma3 max':>11}")
@@ -258,33 +365,51 @@ def print_tables(res):
         print(f"{kb}/{vb:<3} {a['kl_mean']:11.2e} {a['kl_max']:10.2e} {b['kl_mean']:12.2e} {b['kl_max']:11.2e}")
 
 
+def print_codes(res):
+    c = res["codes"]
+    print(
+        f"\nCodes read against the exact read, seeded models ({c['prefill']} prefill, "
+        f"{c['steps']} teacher-forced steps)"
+    )
+    print(f"{'dtype':>9} {'model':>7} {'k/v':>5} {'max |dlogprob|':>15} {'greedy differs':>15}")
+    for r in c["rows"]:
+        print(
+            f"{r['dtype']:>9} {r['model']:>7} {r['kBits']}/{r['vBits']:<3} {r['max_abs_logprob_diff']:15.2e} "
+            f"{r['greedy_differs']:>15}"
+        )
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--codec-tokens", type=int, default=2048)
     ap.add_argument("--kl-prefill", type=int, default=32)
     ap.add_argument("--kl-steps", type=int, default=32)
+    ap.add_argument("--codes-steps", type=int, default=32)
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="sections to run")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "turboquant.json"))
     a = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    res = {
-        "machine": {"device": str(mx.default_device()), "mlx": mx.__version__, "cpus": os.cpu_count()},
-        "codec": codec_throughput(a.heads, a.dim, a.codec_tokens, a.repeats),
-        "decode_step": decode_steps(a.heads, a.q_heads, a.dim, a.contexts, a.repeats),
-        "bytes_per_token": bytes_table(),
-        "kl": kl_rows(a.kl_prefill, a.kl_steps),
+    run = {
+        "codec": lambda: codec_throughput(a.heads, a.dim, a.codec_tokens, a.repeats),
+        "decode_step": lambda: decode_steps(a.heads, a.q_heads, a.dim, a.contexts, a.repeats),
+        "bytes_per_token": bytes_table,
+        "kl": lambda: kl_rows(a.kl_prefill, a.kl_steps),
+        "codes": lambda: codes_rows(a.kl_prefill, a.codes_steps),
     }
+    res = {"machine": {"device": str(mx.default_device()), "mlx": mx.__version__, "cpus": os.cpu_count()}}
+    res.update({name: run[name]() for name in SECTIONS if name in a.only})
     res["seconds"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print_tables(res)
-    print(f"\n{res['seconds']:.0f} s; written {a.out}")
+    print(f"\n{res['seconds']:.0f} s; written {a.out} (the machine's load is not controlled: see the ranges)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """mlxkv: the state and persistence layer for MLX key/value caches."""
 
 from .caches.arrays import ArraysCache
+from .caches.compiled import CompiledDecoder, CompiledModel, compiled_model
 from .caches.plain import KVCache
 from .caches.qfilters import QFiltersKVCache
 from .caches.quantized import QuantizedKVCache
@@ -16,12 +17,14 @@ from .caches.rows import (
     merge_rows,
 )
 from .caches.schemes import make_cache
+from .caches.slots import decode_phase
 from .caches.tova import TOVAKVCache
 from .caches.transition import Bf16FirstCache
 from .caches.turboquant import TurboQuantKVCache
 from .errors import (
     CacheConfigError,
     CorruptSnapshotError,
+    EagerDecodeWarning,
     EmptyCacheError,
     FormatVersionError,
     GeometryMismatchError,
@@ -56,9 +59,14 @@ __all__ = [
     "ArraysCache",
     "Bf16FirstCache",
     "CacheConfigError",
+    "CompiledDecoder",
+    "CompiledModel",
+    "compiled_model",
     "convert_prompt_cache",
     "CorruptSnapshotError",
     "COUNT",
+    "decode_phase",
+    "EagerDecodeWarning",
     "EmptyCacheError",
     "extend",
     "extend_model_rows",

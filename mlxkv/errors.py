@@ -69,3 +69,8 @@ class UnsupportedKindError(SnapshotError, UnknownKindError):
 class StoreCapacityError(MLXKVError):
     """A prompt store cannot hold an entry: larger than its byte cap, or pinned entries
     leave no room for it. Nothing is stored and nothing held is lost."""
+
+
+class EagerDecodeWarning(UserWarning):
+    """A compiled decode step ran eagerly because a cache has no compiled-decode slot
+    (``CompiledDecoder(..., fallback="eager")``)."""

@@ -11,7 +11,7 @@ from conftest import greedy, run
 
 import mlxkv
 from mlxkv.batched.attention import RowFormat
-from mlxkv.caches.decode_slot import DecodeSlot
+from mlxkv.caches.decode_slot import DecodeSlot, Phase, WindowLayout
 from mlxkv.caches.scheme import Scheme
 from mlxkv.codecs.base import Codec, expect_slots, same_prefix
 from mlxkv.errors import CorruptSnapshotError
@@ -81,14 +81,28 @@ class HalfRows(RowFormat):
         return row if keys is None else row.adopt(keys[0], values[0], offset)
 
 
-def half_decode_slot(cache):
-    def step(prefix_keys, prefix_values, keys, values):
-        k = mx.concatenate([prefix_keys, keys.astype(mx.float16)], axis=2).astype(keys.dtype)
-        v = mx.concatenate([prefix_values, values.astype(mx.float16)], axis=2).astype(values.dtype)
-        return k, v, (keys, values)
+@dataclass(frozen=True)
+class HalfStore:
+    """The toy's compiled-decode store: float16 rows, attended in the new keys' dtype."""
 
-    pk, pv = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
-    return DecodeSlot(pk, pv, step, lambda codes: cache.update_and_fetch(*codes))
+    width = 1
+
+    def join(self, keys, values, k, v, at):
+        put = lambda a, x: mx.slice_update(a, x.astype(mx.float16), at, axes=(2,)).astype(x.dtype)
+        return put(keys[0], k), put(values[0], v)
+
+
+def half_decode_slot(cache):
+    """A window over the buffer (grown outside the graph if full), committed by the cache's
+    own append: the slot API a family implements."""
+    n = cache.offset
+    rows = -(-(n + 1) // 256) * 256
+    fit = lambda a: (
+        a[..., :rows, :] if a.shape[2] >= rows else mx.pad(a, [(0, 0), (0, 0), (0, rows - a.shape[2]), (0, 0)])
+    )
+    layout = WindowLayout(Phase(cache.kind, "window", rows), HalfStore())
+    arrays = (mx.array(n, mx.int32), mx.array([n], mx.int32), fit(cache.keys), fit(cache.values))
+    return DecodeSlot(layout, arrays, lambda new, effects: cache.update_and_fetch(new[0], new[1]))
 
 
 TOY = mlxkv.Family(
@@ -151,16 +165,15 @@ def test_a_family_declared_in_one_record_saves_loads_joins_and_decodes(toy, mode
     back = mlxkv.extract_model_row(batch, 1)
     assert isinstance(back[0], HalfKVCache) and back[0].offset == len(prompts[1]) + 6
 
-    # compiled decode through the family's slot equals the ordinary append
-    from mlxkv.caches.compiled import decode_slot
-
-    a, b = back[0], mlxkv.extract_model_row(batch, 1)[0]
-    k = mx.random.normal((1, 2, 1, 64), key=mx.random.key(3)).astype(mx.bfloat16)
-    slot = decode_slot(a)
-    kw, vw, codes = mx.compile(slot.step)(slot.prefix_keys, slot.prefix_values, k, k)
-    mx.eval(slot.commit(codes))
-    rk, rv = b.update_and_fetch(k, k)
-    assert mx.array_equal(kw, rk).item() and mx.array_equal(vw, rv).item()
+    # compiled decode through the family's slot equals the eager step
+    eager, comp = back, mlxkv.extract_model_row(batch, 1)
+    dec = mlxkv.CompiledDecoder(model)
+    y = mx.array([[refs[1][1][-1]]])
+    for _ in range(4):
+        a, b = model(y, cache=eager)[:, -1], dec(y, comp)[:, -1]
+        assert mx.array_equal(a, b).item()
+        y = mx.argmax(a, axis=-1)[:, None]
+    assert dec.traces == 1 and comp[0].offset == eager[0].offset
 
 
 def test_the_table_refuses_overlapping_families(toy):

@@ -5,6 +5,7 @@ import warnings
 import mlx.core as mx
 import mlx_lm
 import mlx_lm.models.gemma3_text
+import mlx_lm.models.lfm2
 import mlx_lm.models.llama
 import pytest
 from conftest import greedy, run
@@ -184,7 +185,7 @@ class NamedReadSite:
 
 @pytest.fixture
 def named_read_sites(monkeypatch):
-    for module in (mlx_lm.models.llama, mlx_lm.models.gemma3_text):
+    for module in (mlx_lm.models.llama, mlx_lm.models.gemma3_text, mlx_lm.models.lfm2):
         real = module.scaled_dot_product_attention
 
         def sdpa(q, k, v, cache, scale, mask, sinks=None, real=real):
@@ -195,15 +196,16 @@ def named_read_sites(monkeypatch):
         monkeypatch.setattr(module, "scaled_dot_product_attention", sdpa)
 
 
-def turbo_caches(model, kb, vb, deferred):
-    """The model's layout with TurboQuant (from token zero) on the full-attention layers."""
+def turbo_caches(model, kb, vb, deferred, codes=False):
+    """The model's layout with TurboQuant (from token zero) on the full-attention layers,
+    behind named-read sites when the read is not the eager one."""
     caches = make_cache(model, "bf16")
     out = []
     for c in caches:
         if c.kind == "kv:plain":
-            t = TurboQuantKVCache(kb, vb, deferred=deferred)
+            t = TurboQuantKVCache(kb, vb, deferred=deferred, codes=codes)
             t.masks = c.masks
-            c = NamedReadSite(t) if deferred else t
+            c = NamedReadSite(t) if deferred or codes else t
         out.append(c)
     return out
 
@@ -228,6 +230,59 @@ def test_eager_and_deferred_run_inside_mlx_lm_generate(models, named_read_sites,
     for caches in (eager, deferred):
         text = mlx_lm.generate(model, tok, prompt(10, seed=5), max_tokens=4, prompt_cache=caches)
         assert isinstance(text, str) and all(c.offset >= 39 for c in caches)
+
+
+@pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5), (5, 8)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_codes_read_agrees_with_the_exact_read(kb, vb, d):
+    """float32: equal up to summation order; bfloat16: closer to float32 attention over the
+    decoded window than the exact read (which rounds the window to bfloat16)."""
+    k, v = kv(40, d=d, H=2)
+    q = mx.random.normal((1, 6, 3, d), key=mx.random.key(9))
+    for dtype, tol in ((mx.float32, 1e-5), (mx.bfloat16, None)):
+        exact, fast = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, codes=True)
+        ra, rb = (
+            exact.append_window(k.astype(dtype), v.astype(dtype)),
+            fast.append_window(k.astype(dtype), v.astype(dtype)),
+        )
+        assert stored_equal(exact.state, fast.state)  # the read never changes what is stored
+        a, b = ra.attend(q.astype(dtype), d**-0.5), rb.attend(q.astype(dtype), d**-0.5)
+        assert b.dtype == dtype and b.shape == (1, 6, 3, d)
+        if tol is not None:
+            assert mx.abs(a - b).max().item() < tol
+        else:
+            dk, dv = tq.decode(fast.state, kb, vb)
+            truth = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=d**-0.5, mask="causal")
+            assert (
+                mx.abs(b.astype(mx.float32) - truth).max().item() <= mx.abs(a.astype(mx.float32) - truth).max().item()
+            )
+    k1, v1 = kv(1, d=d, seed=5)
+    read = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16))
+    assert read.mask is None and mx.array_equal(read.keys, tq.decode(fast.state, kb, vb)[0].astype(mx.bfloat16))
+    plain = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16), codes=False)
+    assert plain.finish is None and not hasattr(plain, "stored")  # the exact read, per call
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "hybrid"])
+def test_codes_read_inside_mlx_lm_generate(models, named_read_sites, arch):
+    """float32 seeded models: the same greedy tokens as the exact read, log-probabilities
+    within 1e-3; bfloat16: teacher-forced log-probabilities within 0.25 (the exact read's
+    bfloat16 window is the larger error; docs/turboquant.md)."""
+    model = models(arch, dtype=mx.float32)
+    p = prompt(24, seed=4)
+    for kb, vb in ((8, 3), (4, 2)):
+        a = logprob_trace(model, turbo_caches(model, kb, vb, False), p, 24)
+        b = logprob_trace(model, turbo_caches(model, kb, vb, False, codes=True), p, 24)
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(mx.abs(x - y).max().item() for (_, x), (_, y) in zip(a, b)) < 1e-3
+    model = models(arch)
+    caches = {read: turbo_caches(model, 8, 3, False, codes=read) for read in (False, True)}
+    logps = {read: [] for read in caches}
+    for t in prompt(32, seed=7):
+        for read, c in caches.items():
+            out = model(mx.array([[t]]), cache=c)[0, -1].astype(mx.float32)
+            logps[read].append(out - mx.logsumexp(out))
+    assert max(mx.abs(x - y).max().item() for x, y in zip(logps[False], logps[True])) < 0.25
 
 
 def test_gemma3_sliding_layers_stay_rotating_bf16_with_one_warning(models):
@@ -287,42 +342,44 @@ def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
     assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 19
 
 
-# -- compiled decode: the concat slot ---------------------------------------------------
+# -- compiled decode: the TurboQuant slot -------------------------------------------------
 
 
-def prefilled(kb, vb, deferred, n=20, d=128):
-    c = TurboQuantKVCache(kb, vb, deferred=deferred)
-    c.update_and_fetch(*kv(n, d=d, dtype=mx.bfloat16))
-    return c
+def test_stacked_boundary_counting_gives_the_same_codes():
+    """The compiled slot counts boundaries with one stacked comparison (a small kernel for
+    the CPU backend's compiler); the codes equal the accumulated form, NaN and inf included."""
+    odd = mx.array([[[float("nan")] * 32 + [float("inf")] * 32 + [-float("inf")] * 32 + [0.0] * 32]])
+    y = mx.concatenate([mx.random.normal((1, 6, 128), key=mx.random.key(4)) * 3, odd.astype(mx.float32)], axis=1)
+    for vb in tq.V_BITS:
+        a, b = tq.encode_values(y, vb), tq.encode_values(y, vb, stacked=True)
+        assert all(mx.array_equal(x, z, equal_nan=True).item() for x, z in zip(a, b))
 
 
-@pytest.mark.parametrize("kb,vb,deferred", [(8, 3, False), (4, 2, True), (2, 5, False), (5, 8, True)])
-def test_compiled_decode_slot_joins_the_window_the_ordinary_read_decodes(kb, vb, deferred):
-    slot_cache, ordinary = prefilled(kb, vb, deferred), prefilled(kb, vb, deferred)
-    compiled = None
+@pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5), (5, 8)])
+def test_compiled_slot_window_is_the_eager_window_bit_for_bit(kb, vb):
+    """The slot decodes the codes in the graph and writes the new position decoded from its
+    own codes at a traced row: the attended window equals the eager read's, so attention
+    over it (padded rows masked) equals attention over the eager window."""
+    from mlxkv.caches.slots import decode_slot
+
+    a, b = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb)
+    for c in (a, b):
+        c.update_and_fetch(*kv(20, d=128, dtype=mx.bfloat16))
+
     for step in range(3):
         k1, v1 = kv(1, d=128, seed=50 + step, dtype=mx.bfloat16)
         q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(step)).astype(mx.bfloat16)
-        slot = slot_cache.prepare_decode_step()
-        assert slot.rotated == deferred and slot.prefix_keys.shape[2] == slot_cache.offset
+        slot = decode_slot(a)
+        assert slot.phase.rows == 256 and slot.phase.kind == a.kind
 
-        def attend(pk, pv, qq, kk, vv, step_fn=slot.step, finish=slot.finish):
-            kw, vw, codes = step_fn(pk, pv, kk, vv)
-            out = mx.fast.scaled_dot_product_attention(qq, kw, vw, scale=128**-0.5, mask=None)
-            return (finish(out) if finish else out), kw, vw, codes
+        def fn(q, k1, v1, arrays, layout=slot.layout):
+            sc = layout.open(arrays)
+            k, v = sc.update_and_fetch(k1, v1)
+            mask = sc.make_mask(1)
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5, mask=mask), sc.outputs()
 
-        compiled = compiled or mx.compile(attend)
-        eager_out = attend(slot.prefix_keys, slot.prefix_values, q, k1, v1)
-        out, kw, vw, codes = compiled(slot.prefix_keys, slot.prefix_values, q, k1, v1)
-        read = ordinary.append_decode(k1, v1)
-        assert mx.array_equal(kw, read.keys) and mx.array_equal(vw, read.values)  # bit for bit
-        assert mx.array_equal(eager_out[1], read.keys) and mx.array_equal(eager_out[2], read.values)
+        out, new = mx.compile(fn)(q, k1, v1, slot.arrays)
+        slot.commit(new, None)
+        read = b.append_decode(k1, v1)
         assert mx.array_equal(out, read.attend(q, 128**-0.5))
-        stored = slot_cache.commit_decode_step(codes)
-        assert len(stored) == 5 and slot_cache.offset == ordinary.offset
-        assert stored_equal(slot_cache.state, ordinary.state)
-
-
-def test_prepare_decode_step_needs_a_prefilled_cache():
-    with pytest.raises(mlxkv.MLXKVError, match="prefilled"):
-        TurboQuantKVCache(8, 3).prepare_decode_step()
+        assert a.offset == b.offset and stored_equal(a.state, b.state)

@@ -86,34 +86,46 @@ class _Ring(CacheContract, mlx_cache._BaseCache):
         self._idx = self._rows()
         return self.keys, self.values
 
+    def _write_plan(self, keys, values, S: int):
+        """The storage an in-place append of ``S`` positions writes into, and the row it
+        writes at, as ``(keys, values, idx)``: grown, trimmed and wrapped exactly as the
+        append does it, without changing the ring (``keys``/``values`` are the encoded new
+        positions, read for their shapes and dtypes only)."""
+        k, v, idx = self.keys, self.values, self._idx
+        prev = self.offset
+        rows = lambda x: _first(x).shape[2]
+        if k is None or (prev >= rows(k) and rows(k) < self.max_size):
+            new_size = min(self.step, self.max_size - prev)
+            zeros = lambda a: mx.zeros((*a.shape[:2], new_size, a.shape[3]), a.dtype)
+            if k is not None:
+                cat = lambda a, b: mx.concatenate([a, b], axis=2)
+                k, v = _map2(cat, k, _map(zeros, keys)), _map2(cat, v, _map(zeros, values))
+            else:
+                k, v = _map(zeros, keys), _map(zeros, values)
+            idx = prev
+        trim_size = rows(k) - self.max_size
+        if trim_size > 0:
+            k, v = self._trim(trim_size, k), self._trim(trim_size, v)
+            idx = self.max_size
+        if idx == self.max_size:
+            idx = self.keep
+        return k, v, idx
+
     def _update_in_place(self, keys, values):
         keys, values = self._encode(keys), self._encode(values)
         S = _first(keys).shape[2]
-        prev = self.offset
-        if self.keys is None or (prev >= self._rows() and self._rows() < self.max_size):
-            new_size = min(self.step, self.max_size - prev)
-            zeros = lambda a: mx.zeros((*a.shape[:2], new_size, a.shape[3]), a.dtype)
-            if self.keys is not None:
-                cat = lambda a, b: mx.concatenate([a, b], axis=2)
-                self.keys = _map2(cat, self.keys, _map(zeros, keys))
-                self.values = _map2(cat, self.values, _map(zeros, values))
-            else:
-                self.keys, self.values = _map(zeros, keys), _map(zeros, values)
-            self._idx = prev
-        trim_size = self._rows() - self.max_size
-        if trim_size > 0:
-            self.keys = self._trim(trim_size, self.keys)
-            self.values = self._trim(trim_size, self.values)
-            self._idx = self.max_size
-        if self._idx == self.max_size:
-            self._idx = self.keep
-        i = self._idx
-        for store, new in ((self.keys, keys), (self.values, values)):
+        k, v, i = self._write_plan(keys, values, S)
+        for store, new in ((k, keys), (v, values)):
             for s, n in zip(_flat(store), _flat(new)):
                 s[..., i : i + S, :] = n
-        self.offset += S
-        self._idx += S
+        self._written(k, v, i, S)
         return self.keys_and_values()
+
+    def _written(self, keys, values, idx: int, S: int):
+        """Take the storage ``S`` positions were written into at row ``idx``."""
+        self.keys, self.values = keys, values
+        self._idx = idx + S
+        self.offset += S
 
     def update_and_fetch(self, keys, values):
         if keys.shape[2] == 1:

@@ -13,27 +13,26 @@ Reads:
   the rotated domain (no inverse Hadamard over the T stored rows) and the read's ``finish``
   un-rotates the attention output once, O(L d log d) instead of O(T d log d). Valid because
   attention is linear in V and the rotation is the same for every position and head.
+- codes (``codes=True``, or ``append_decode(k, v, codes=True)``): attention straight from
+  the stored codes (``mlxkv.math.turboquant_attention``): scores from the keys' per-group
+  affine terms, values through the codebook in the rotated domain, no decoded window. It
+  agrees with the eager read to a documented tolerance (docs/turboquant.md).
 
-Compiled decode is a concat slot (docs/turboquant.md): ``prepare_decode_step()`` decodes the
-stored prefix outside the compiled graph; ``slot.step`` is a pure function (compile it with
-``mx.compile``) that encodes the new position, decodes it from its codes and joins it to the
-prefix; ``commit_decode_step(codes)`` packs and stores the codes after the step. Decoding is
-per position, so the joined window equals the window the ordinary read decodes, bit for bit.
+Compiled decode (``mlxkv.caches.slots``): the five arrays enter the graph at a fixed row
+count, the step decodes them and writes the new position decoded from its own codes at a
+traced row; decoding is per position, so the window equals the eager read's, bit for bit.
 
 It is deliberately not a ``KVCache`` subclass and has no attribute named ``bits``: mlx-lm
 would otherwise route it to its affine quantized SDPA.
 """
-
-from collections.abc import Callable
-from functools import cache
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheConfigError, MLXKVError
 from ..math import turboquant as tq
+from ..math import turboquant_attention as tqa
 from .base import CacheContract
-from .decode_slot import DecodeSlot
 from .reads import AttentionRead
 from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
@@ -46,36 +45,53 @@ def unrotate_output(out: mx.array) -> mx.array:
     return tq.unrotate(out).astype(out.dtype)
 
 
-@cache
-def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Callable:
-    """The pure inside of a compiled decode step (one function object per configuration,
-    so ``mx.compile`` traces it once):
+class CodesRead:
+    """A read that attends from the stored codes (``codes=True``): ``attend(q, scale)`` never
+    decodes the window. ``keys``/``values`` decode it on first use, for a site that attends
+    them itself."""
 
-    ``step(prefix_keys, prefix_values, keys, values) -> (keys_window, values_window, codes)``
+    finish = None
 
-    ``keys``/``values`` are the new positions ``[B, H, L, D]``; ``codes`` are their unpacked
-    codes ``(kIdx, kScales, kZeros, vIdx, vScales)`` for :meth:`commit_decode_step`.
-    """
+    def __init__(self, stored, k_bits: int, v_bits: int, mask, dtype):
+        self.stored, self.k_bits, self.v_bits = stored, k_bits, v_bits
+        self.mask, self.dtype = mask, dtype
+        self._window = None
 
-    def step(prefix_keys, prefix_values, keys, values):
-        codes = tq.encode_codes(keys, values, k_bits, v_bits)
-        k_new, v_new = tq.decode_codes(codes, v_bits, rotated)
-        k_win = mx.concatenate([prefix_keys, k_new.astype(dtype)], axis=2)
-        v_win = mx.concatenate([prefix_values, v_new.astype(dtype)], axis=2)
-        return k_win, v_win, codes
+    def _decoded(self):
+        if self._window is None:
+            k, v = tq.decode(self.stored, self.k_bits, self.v_bits)
+            self._window = (k.astype(self.dtype), v.astype(self.dtype))
+        return self._window
 
-    return step
+    @property
+    def keys(self):
+        return self._decoded()[0]
+
+    @property
+    def values(self):
+        return self._decoded()[1]
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        return tqa.attend(queries, self.stored, self.k_bits, self.v_bits, scale, self.mask)
 
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     step = 256
 
-    def __init__(self, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, head_dim: int | None = None):
+    def __init__(
+        self,
+        k_bits: int = 8,
+        v_bits: int = 3,
+        deferred: bool = False,
+        head_dim: int | None = None,
+        codes: bool = False,
+    ):
         tq.check_bits(k_bits, v_bits)
         if head_dim is not None:
             tq.check_head_dim(head_dim)
         self.k_bits, self.v_bits = k_bits, v_bits
         self.deferred = bool(deferred)
+        self.codes = bool(codes)
         self.head_dim = head_dim
         self.offset = 0
         self.storage = None  # [kIdx, kScales, kZeros, vPacked, vScales], capacity rows each
@@ -197,53 +213,42 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
 
     # -- named reads --------------------------------------------------------------------
 
-    def _read(self, keys, values, mask, deferred):
-        rotated = self.deferred if deferred is None else bool(deferred)
+    def _read(self, keys, values, mask, deferred, codes):
         self._append(keys, values)
+        if self.codes if codes is None else codes:
+            return CodesRead(self._live(), self.k_bits, self.v_bits, mask, keys.dtype)
+        rotated = self.deferred if deferred is None else bool(deferred)
         k, v = self._decoded(keys.dtype, rotated)
         return AttentionRead(k, v, mask, None, unrotate_output if rotated else None)
 
-    def append_decode(self, keys: mx.array, values: mx.array, deferred: bool | None = None) -> AttentionRead:
+    def append_decode(
+        self, keys: mx.array, values: mx.array, deferred: bool | None = None, codes: bool | None = None
+    ) -> AttentionRead:
         if keys.shape[2] != 1:
             raise MLXKVError(
                 f"append_decode takes one position per row, got L={keys.shape[2]}; "
                 "use append_window for several positions"
             )
-        return self._read(keys, values, self.make_mask(1), deferred)
+        return self._read(keys, values, self.make_mask(1), deferred, codes)
 
-    def append_window(self, keys: mx.array, values: mx.array, deferred: bool | None = None) -> AttentionRead:
-        return self._read(keys, values, self.make_mask(keys.shape[2]), deferred)
-
-    # -- compiled decode: the concat slot ---------------------------------------------
-
-    def prepare_decode_step(self, dtype=None, deferred: bool | None = None) -> DecodeSlot:
-        """Decode the stored prefix (outside any compiled graph) for one decode step."""
-        if self.storage is None:
-            raise MLXKVError("a compiled TurboQuant decode step needs a cache that has been prefilled")
-        rotated = self.deferred if deferred is None else bool(deferred)
-        dtype = dtype or self.dtype
-        pk, pv = self._decoded(dtype, rotated)
-        step = decode_step_function(self.k_bits, self.v_bits, rotated, dtype)
-        return DecodeSlot(pk, pv, step, self.commit_decode_step, rotated, unrotate_output if rotated else None)
-
-    def commit_decode_step(self, codes):
-        """The write after the step: pack the step's codes and store them at ``offset``.
-        Returns the storage to evaluate with the step."""
-        k_idx = codes[0]
-        self._set_head_dim(k_idx.shape[3])
-        return self._write(tq.pack_codes(codes, self.k_bits, self.v_bits))
+    def append_window(
+        self, keys: mx.array, values: mx.array, deferred: bool | None = None, codes: bool | None = None
+    ) -> AttentionRead:
+        return self._read(keys, values, self.make_mask(keys.shape[2]), deferred, codes)
 
     # -- conversion and restore ---------------------------------------------------------
 
     @classmethod
-    def from_cache(cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = False) -> "TurboQuantKVCache":
+    def from_cache(
+        cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, codes: bool = False
+    ) -> "TurboQuantKVCache":
         """Encode a plain cache's live window once; ``offset``, ``minimum_reusable_offset``
         and ``masks`` carry over and the source is consumed (its arrays are released)."""
         if getattr(source, "kind", None) != "kv:plain":
             raise CacheConfigError(
                 f"TurboQuantKVCache.from_cache converts a kv:plain cache, got {getattr(source, 'kind', None)!r}"
             )
-        out = cls(k_bits, v_bits, deferred)
+        out = cls(k_bits, v_bits, deferred, codes=codes)
         out.masks = source.masks
         out.minimum_reusable_offset = source.minimum_reusable_offset
         n = source.offset
@@ -287,11 +292,11 @@ def turbo_scheme(m, opts):
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 
     def build(i, o):
-        deferred = bool(o.get("deferred", False))
+        deferred, codes = bool(o.get("deferred", False)), bool(o.get("codes", False))
         pending = PendingConversion(
             f"turbo-k{k_bits}v{v_bits}",
             start,
-            lambda c: TurboQuantKVCache.from_cache(c, k_bits, v_bits, deferred),
+            lambda c: TurboQuantKVCache.from_cache(c, k_bits, v_bits, deferred, codes),
         )
         return Bf16FirstCache(pending)
 

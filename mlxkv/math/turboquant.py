@@ -196,17 +196,28 @@ def count_below(y: mx.array, boundaries) -> mx.array:
     return count
 
 
-def encode_values_rotated(y: mx.array, v_bits: int) -> tuple[mx.array, mx.array]:
+def count_below_stacked(y: mx.array, boundaries: mx.array) -> mx.array:
+    """:func:`count_below` as one comparison against all boundaries and a sum, through a
+    ``[..., 2^b - 1]`` intermediate: the same counts. Meant for a few positions inside a
+    compiled graph, where the accumulated form would fuse into one kernel of ``2^b - 1``
+    comparisons that takes the CPU backend's compiler minutes to build at 8 bits."""
+    return mx.sum(y[..., None] > boundaries, axis=-1).astype(mx.uint8)
+
+
+def encode_values_rotated(y: mx.array, v_bits: int, stacked: bool = False) -> tuple[mx.array, mx.array]:
     """Codes (uint8 per element) and float16 RMS scales of already rotated values."""
     shape = y.shape
     g = _groups(y)
     scale = mx.sqrt(mx.mean(g**2, axis=-1, keepdims=True))
-    idx = count_below(g / (scale + EPS), codebook().boundary_values[v_bits])
+    if stacked:
+        idx = count_below_stacked(g / (scale + EPS), codebook().boundaries[v_bits])
+    else:
+        idx = count_below(g / (scale + EPS), codebook().boundary_values[v_bits])
     return idx.reshape(shape), scale.squeeze(-1).astype(mx.float16)
 
 
-def encode_values(values: mx.array, v_bits: int) -> tuple[mx.array, mx.array]:
-    return encode_values_rotated(rotate(values), v_bits)
+def encode_values(values: mx.array, v_bits: int, stacked: bool = False) -> tuple[mx.array, mx.array]:
+    return encode_values_rotated(rotate(values), v_bits, stacked)
 
 
 def decode_values_rotated(idx: mx.array, scales: mx.array, v_bits: int) -> mx.array:
@@ -223,9 +234,10 @@ def decode_values(idx: mx.array, scales: mx.array, v_bits: int) -> mx.array:
 # -- the five stored arrays ---------------------------------------------------------------
 
 
-def encode_codes(keys: mx.array, values: mx.array, k_bits: int, v_bits: int):
-    """Unpacked codes ``(kIdx, kScales, kZeros, vIdx, vScales)``: what a step computes."""
-    return (*encode_keys(keys, k_bits), *encode_values(values, v_bits))
+def encode_codes(keys: mx.array, values: mx.array, k_bits: int, v_bits: int, stacked: bool = False):
+    """Unpacked codes ``(kIdx, kScales, kZeros, vIdx, vScales)``: what a step computes
+    (``stacked``: count boundaries with :func:`count_below_stacked`; the same codes)."""
+    return (*encode_keys(keys, k_bits), *encode_values(values, v_bits, stacked))
 
 
 def pack_codes(codes, k_bits: int, v_bits: int):

@@ -11,11 +11,18 @@ from ..batched.formats import affine_ring_rows, affine_rows, plain_rows, ring_ro
 from ..batched.qfilters import qfilters_rows
 from ..batched.tova import tova_rows
 from ..caches.arrays import ArraysCache
-from ..caches.compiled import affine_decode_slot, plain_decode_slot
 from ..caches.plain import PLAIN_SCHEME, KVCache, plain_scheme
 from ..caches.qfilters import QFILTERS_SCHEME, QFiltersKVCache, qfilters_scheme
 from ..caches.quantized import AFFINE_SCHEME, QuantizedKVCache, affine_scheme
 from ..caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
+from ..caches.slots import (
+    affine_decode_slot,
+    eviction_decode_slot,
+    plain_decode_slot,
+    recurrent_decode_slot,
+    ring_decode_slot,
+    turbo_decode_slot,
+)
 from ..caches.tova import TOVA_SCHEME, TOVAKVCache, tova_scheme
 from ..caches.turboquant import TURBO_SCHEME, TurboQuantKVCache, turbo_scheme
 from ..codecs.affine import AffineCodec, RotatingAffineCodec
@@ -60,6 +67,7 @@ FAMILIES = [
         codec=RingCodec(),
         fields=RING_FIELDS,
         rows=ring_rows,
+        decode_slot=ring_decode_slot,
     ),
     Family(
         kind="kv:rotating-quant:",
@@ -68,6 +76,7 @@ FAMILIES = [
         codec=RotatingAffineCodec(),
         fields={**RING_FIELDS, **AFFINE_FIELDS},
         rows=affine_ring_rows,
+        decode_slot=ring_decode_slot,
     ),
     Family(
         kind="ssm",
@@ -76,6 +85,7 @@ FAMILIES = [
         codec=ArraysCodec(),
         fields={"offset": COUNT, "size": COUNT},
         rows=arrays_rows,
+        decode_slot=recurrent_decode_slot,
     ),
     Family(
         kind="kv:turboquant:",
@@ -84,7 +94,7 @@ FAMILIES = [
         codec=TurboQuantCodec(),
         fields={"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT},
         rows=turbo_rows,
-        decode_slot=lambda cache: cache.prepare_decode_step(),
+        decode_slot=turbo_decode_slot,
         scheme=(TURBO_SCHEME, turbo_scheme),
     ),
     Family(
@@ -94,6 +104,7 @@ FAMILIES = [
         codec=TOVACodec(),
         fields=BUDGET_FIELDS,
         rows=tova_rows,
+        decode_slot=eviction_decode_slot,
         scheme=(TOVA_SCHEME, tova_scheme),
     ),
     Family(
@@ -103,6 +114,7 @@ FAMILIES = [
         codec=QFiltersCodec(),
         fields={**BUDGET_FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG},
         rows=qfilters_rows,
+        decode_slot=eviction_decode_slot,
         scheme=(QFILTERS_SCHEME, qfilters_scheme),
     ),
 ]

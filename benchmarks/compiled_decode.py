@@ -1,0 +1,147 @@
+"""Compiled decode against the eager step: tokens per second per scheme, side by side.
+
+For every (model, scheme) two cache lists are prefilled with the same prompt; then rounds
+alternate: ``--steps`` greedy decode steps through the model (eager), then the same number
+through ``mlxkv.CompiledDecoder`` (compiled), each step evaluated before the next (as
+``mlx_lm.generate`` does). Each round gives one tokens/s figure per mode and one ratio
+(compiled / eager); the report is the median over rounds and the range of the ratio. Warm-up
+steps (the first trace, and the compiler's kernel builds) are excluded and reported apart.
+
+Models: the seeded llama, gemma3 and hybrid (4 layers, 128 hidden: per-step overhead
+dominates), and a synthetic llama of 8 layers, 1024 hidden, 8 heads of 128 (weights
+dominate). The machine's load is not controlled: read the ranges.
+
+Usage: python benchmarks/compiled_decode.py [--rounds 7 --steps 8 --prompt 200 --large-prompt 480]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import mlx.core as mx
+
+import mlxkv
+from mlxkv.seeded import build_model, prompt
+
+SCHEMES = [
+    ("bf16", {}),
+    ("kv4", {}),
+    ("kv8-g32", {}),
+    ("turbo-k8v3", {}),
+    ("turbo-k4v2", {}),
+    ("tova-b128-s4", {}),
+    ("qfilters-b128-s4-r16", {"calib_tokens": 64}),
+    ("bf16", {"max_kv_size": 128}),
+]
+LARGE = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 2816,
+}
+
+
+def label(scheme, options):
+    return scheme + "".join(f" {k}={v}" for k, v in options.items())
+
+
+def prefilled(model, scheme, options, tokens):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caches = mlxkv.make_cache(model, scheme, **options)
+    logits = model(mx.array(tokens)[None], cache=caches)[:, -1]
+    mx.eval(logits, [c.state for c in caches])
+    return caches, mx.argmax(logits, axis=-1)[:, None]
+
+
+def decode(step, caches, y, n):
+    """``n`` greedy steps, each evaluated; returns (seconds, next token)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        y = mx.argmax(step(y, caches)[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+    return time.perf_counter() - t0, y
+
+
+def compare(model, scheme, options, tokens, rounds, steps):
+    eager_caches, ye = prefilled(model, scheme, options, tokens)
+    comp_caches, yc = prefilled(model, scheme, options, tokens)
+    decoder = mlxkv.CompiledDecoder(model)
+    eager = lambda y, c: model(y, cache=c)
+    warm_eager, ye = decode(eager, eager_caches, ye, 2)
+    warm_comp, yc = decode(decoder, comp_caches, yc, 2)  # the first trace and kernel builds
+    te, tc = [], []
+    for _ in range(rounds):
+        t, ye = decode(eager, eager_caches, ye, steps)
+        te.append(steps / t)
+        t, yc = decode(decoder, comp_caches, yc, steps)
+        tc.append(steps / t)
+    ratios = [c / e for c, e in zip(tc, te)]
+    return {
+        "scheme": label(scheme, options),
+        "eager_tok_s": statistics.median(te),
+        "compiled_tok_s": statistics.median(tc),
+        "ratio": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+        "warmup_s": {"eager": warm_eager, "compiled": warm_comp},
+        "traces": decoder.traces,
+        "eager_steps": decoder.eager_steps,
+        "context_end": comp_caches[-1].offset,
+        "same_tokens": int(ye.item()) == int(yc.item()),
+    }
+
+
+def run(models, rounds, steps):
+    out = []
+    for name, model, n_prompt, schemes in models:
+        tokens = prompt(n_prompt, seed=21)
+        for scheme, options in schemes:
+            row = {"model": name, "prompt": n_prompt, **compare(model, scheme, options, tokens, rounds, steps)}
+            out.append(row)
+            print(
+                f"{name:>7} {row['scheme']:<28} eager {row['eager_tok_s']:7.1f} tok/s  compiled "
+                f"{row['compiled_tok_s']:7.1f} tok/s  x{row['ratio']:.2f} "
+                f"[{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}]  traces {row['traces']}",
+                flush=True,
+            )
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=200)
+    ap.add_argument("--large-prompt", type=int, default=480)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compiled_decode.json"))
+    a = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    models = [(arch, build_model(arch), a.prompt, SCHEMES) for arch in ("llama", "gemma3", "hybrid")]
+    large = build_model("llama", **LARGE)
+    models.append(("large", large, a.large_prompt, [s for s in SCHEMES if s[0] in ("bf16", "kv4", "turbo-k8v3")]))
+    res = {
+        "machine": {"device": str(mx.default_device()), "mlx": mx.__version__, "cpus": os.cpu_count()},
+        "large_config": LARGE,
+        "rounds": a.rounds,
+        "steps_per_round": a.steps,
+        "rows": run(models, a.rounds, a.steps),
+    }
+    res["seconds"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n{res['seconds']:.0f} s; written {a.out} (the machine's load is not controlled: see the ranges)")
+
+
+if __name__ == "__main__":
+    main()

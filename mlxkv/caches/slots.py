@@ -1,0 +1,212 @@
+"""The compiled-decode slot of every family, ``decode_slot(cache)`` and ``decode_phase(cache)``.
+
+Each builder reads a cache's integers and arrays and changes nothing; the commit, after the
+step, writes (docs/compiled.md). Which builder a cache gets is its family's
+(``mlxkv.families``); a family without one raises :class:`~mlxkv.errors.UnknownKindError`.
+
+Phases:
+
+- plain, affine: ``window`` over the cache's buffer as the append grows it (256-row steps),
+  so a trace serves 256 consecutive steps; TurboQuant: ``window`` over its codes, the
+  positions after the append rounded up to 256;
+- eviction caches: ``window`` over the kept rows plus the new one, rounded up to 256 and
+  capped at ``budget + 1``: once the budget is reached the window no longer changes;
+- rings: ``ring-fill`` over the ring's buffer (it grows in 256-row steps up to
+  ``max_size``), then ``ring-wrapped`` over the whole ring, written at a traced row;
+- recurrent state: ``recurrent``, its arrays in and out;
+- an empty cache's first append fixes its geometry and runs eagerly (``eager``).
+"""
+
+import mlx.core as mx
+
+from ..errors import UnknownKindError
+from ..families import family_of_kind, kind_of
+from .decode_slot import (
+    AffineStore,
+    DecodeSlot,
+    EagerLayout,
+    Phase,
+    PlainStore,
+    RecurrentLayout,
+    RingLayout,
+    TurboStore,
+    WindowLayout,
+)
+from .transition import Bf16FirstCache, settled
+
+STEP = 256
+
+
+def window_rows(n: int) -> int:
+    """The rows a linear window holding ``n`` positions attends: ``n`` rounded up to 256."""
+    return -(-n // STEP) * STEP
+
+
+def _fit(a: mx.array, rows: int) -> mx.array:
+    """``a`` [B, H, T, X] with exactly ``rows`` rows on axis 2: itself, a view when it holds
+    more, zero rows added when it holds fewer."""
+    have = a.shape[2]
+    if have == rows:
+        return a  # the cache's own buffer: the step may write it in place
+    if have > rows:
+        return a[..., :rows, :]
+    return mx.concatenate([a, mx.zeros((*a.shape[:2], rows - have, a.shape[3]), a.dtype)], axis=2)
+
+
+def _grown(arrays: list, offset: int) -> list:
+    """The buffers mlx-lm's ``KVCache``/``QuantizedKVCache`` write one new position into:
+    unchanged while there is room, else cut to ``offset`` (when it is not a whole number of
+    steps) and grown by one 256-row step, as their ``update_and_fetch`` does."""
+    if offset + 1 <= arrays[0].shape[2]:
+        return arrays
+    cut = [a[..., :offset, :] if offset % STEP else a for a in arrays]
+    return [mx.concatenate([a, mx.zeros((*a.shape[:2], STEP, a.shape[3]), a.dtype)], axis=2) for a in cut]
+
+
+def _positions(offset: int, write_at: int):
+    return mx.array(offset, mx.int32), mx.array([write_at], mx.int32)
+
+
+def _append_commit(cache):
+    """Append the step's new keys and values through the cache's own ``update_and_fetch``."""
+    return lambda new, effects: cache.update_and_fetch(new[0], new[1])
+
+
+def _eager(cache) -> DecodeSlot:
+    return DecodeSlot(EagerLayout(Phase(kind_of(cache), "eager")), (), None)
+
+
+def _window_slot(cache, store, stored: list, rows: int, write_at: int, commit, gapped: bool = False) -> DecodeSlot:
+    layout = WindowLayout(Phase(cache.kind, "window", rows), store, gapped)
+    arrays = (*_positions(cache.offset, write_at), *(_fit(a, rows) for a in stored))
+    return DecodeSlot(layout, arrays, commit)
+
+
+# -- one builder per family --------------------------------------------------------------
+
+
+def plain_decode_slot(cache) -> DecodeSlot:
+    """The buffer itself (grown as the append grows it) is the window; the cache adopts the
+    written buffer."""
+    if cache.keys is None:
+        return _eager(cache)
+    n = cache.offset
+    keys, values = _grown([cache.keys, cache.values], n)
+
+    def commit(new, effects):
+        cache.keys, cache.values = new[2], new[3]
+        cache.offset = n + 1
+
+    return _window_slot(cache, PlainStore(), [keys, values], keys.shape[2], n, commit)
+
+
+def affine_decode_slot(cache) -> DecodeSlot:
+    """As the plain slot, over mlx-lm's affine triples."""
+    if cache.keys is None:
+        return _eager(cache)
+    n = cache.offset
+    stored = _grown([*cache.keys, *cache.values], n)
+
+    def commit(new, effects):
+        cache.keys, cache.values = tuple(new[2:5]), tuple(new[5:8])
+        cache.offset = n + 1
+
+    store = AffineStore(cache.bits, cache.group_size)
+    return _window_slot(cache, store, stored, stored[0].shape[2], n, commit)
+
+
+def turbo_decode_slot(cache) -> DecodeSlot:
+    """The codes decoded in the graph, padded to 256-row steps (the storage's own growth);
+    the commit encodes and stores the new position through the cache's append."""
+    if cache.storage is None:
+        return _eager(cache)
+    n = cache.offset
+    store = TurboStore(cache.k_bits, cache.v_bits)
+    return _window_slot(cache, store, list(cache.storage), window_rows(n + 1), n, _append_commit(cache))
+
+
+def eviction_decode_slot(cache) -> DecodeSlot:
+    """Kept rows plus the new one; eviction happens in the commit (the cache's append)."""
+    if cache.keys is None:
+        return _eager(cache)
+    kept = cache.rows
+    rows = window_rows(kept + 1)
+    if kept <= cache.budget:  # (a Q-Filters cache may hold more until it calibrates)
+        rows = min(rows, cache.budget + 1)
+    stored = [cache.keys, cache.values]
+    return _window_slot(cache, PlainStore(), stored, rows, kept, _append_commit(cache), gapped=True)
+
+
+def ring_decode_slot(cache) -> DecodeSlot:
+    """The ring's buffer as the append leaves it before writing (grown, trimmed, wrapped:
+    ``_write_plan``); the ring adopts the written buffer."""
+    if cache.keys is None:
+        return _eager(cache)
+    one = lambda x: tuple(a[..., :1, :] for a in x) if isinstance(x, tuple) else x[..., :1, :]
+    keys, values, idx = cache._write_plan(one(cache.keys), one(cache.values), 1)
+    quantized = isinstance(keys, tuple)
+    flat = lambda x: list(x) if quantized else [x]
+    keys, values = flat(keys), flat(values)
+    name = "ring-fill" if cache.offset < cache.max_size else "ring-wrapped"
+    store = AffineStore(cache.bits, cache.group_size) if quantized else PlainStore()
+    layout = RingLayout(Phase(cache.kind, name, keys[0].shape[2]), store, cache.max_size)
+    roll = (cache._idx if cache._idx < cache.max_size else 0) + 1  # mlx-lm's mask shift
+    arrays = (*_positions(cache.offset, idx), mx.array(roll, mx.int32), *keys, *values)
+    w = store.width
+
+    def commit(new, effects):
+        k, v = new[2 : 2 + w], new[2 + w : 2 + 2 * w]
+        cache._written(tuple(k) if quantized else k[0], tuple(v) if quantized else v[0], idx, 1)
+
+    return DecodeSlot(layout, arrays, commit)
+
+
+def recurrent_decode_slot(cache) -> DecodeSlot:
+    if cache.left_padding is not None or cache.lengths is not None:
+        raise UnknownKindError(cache.kind, "a compiled decode step takes recurrent state without padding or lengths")
+    if all(a is None for a in cache.cache):
+        return _eager(cache)
+    present = tuple(a is not None for a in cache.cache)
+    layout = RecurrentLayout(Phase(cache.kind, "recurrent"), present)
+
+    def commit(new, effects):
+        after, advanced = effects
+        it = iter(new)
+        for i, p in enumerate(after):
+            cache[i] = next(it) if p else cache[i]
+        cache.advance(advanced)
+
+    return DecodeSlot(layout, tuple(a for a in cache.cache if a is not None), commit)
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+
+def _family_slot(cache) -> DecodeSlot:
+    kind = kind_of(cache)
+    build = family_of_kind(kind).decode_slot
+    if build is None:
+        raise UnknownKindError(kind, "no compiled-decode slot for this kind")
+    return build(cache)
+
+
+def decode_slot(cache) -> DecodeSlot:
+    """The slot of one decode step for ``cache``. A bf16-first cache whose conversion is due
+    converts first, as its next append would; its commit is its own append, so it converts
+    whenever its own rule says."""
+    if isinstance(cache, Bf16FirstCache):
+        cache._maybe_convert()
+        slot = _family_slot(cache.inner)
+        if cache.pending is not None and slot.commit is not None:
+            slot.commit = _append_commit(cache)  # its append converts when its rule says
+        return slot
+    return _family_slot(cache)
+
+
+def decode_phase(cache) -> Phase:
+    """The phase the next decode step of ``cache`` takes, without changing the cache (a
+    bf16-first cache whose conversion is due is predicted on a converted copy)."""
+    if isinstance(cache, Bf16FirstCache):
+        p = cache.pending
+        cache = settled(cache) if p is not None and p.due(cache.inner.offset) else cache.inner
+    return _family_slot(cache).phase
