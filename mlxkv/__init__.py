@@ -24,6 +24,7 @@ from .errors import (
     CorruptSnapshotError,
     EmptyCacheError,
     FormatVersionError,
+    GenerationFinishedError,
     GeometryMismatchError,
     IdentityMismatchError,
     MLXKVError,
@@ -36,6 +37,7 @@ from .errors import (
     UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
+from .state.checkpoint import Checkpoint
 from .state.kinds import (
     is_eviction_cache,
     is_plain_kv_cache,
@@ -46,7 +48,8 @@ from .state.kinds import (
     is_turboquant_cache,
 )
 from .state.prompt_cache import convert_prompt_cache, read_prompt_cache
-from .state.session import Sampler, Session
+from .state.sampler import Sampler
+from .state.session import Session, request_key, request_policy
 from .state.snapshot import Snapshot, load, read_header, save, verify
 from .state.store import FlushReport, Hit, PromptStore
 
@@ -54,6 +57,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArraysCache",
+    "Checkpoint",
     "Bf16FirstCache",
     "CacheConfigError",
     "convert_prompt_cache",
@@ -71,6 +75,7 @@ __all__ = [
     "FLAG",
     "FlushReport",
     "FormatVersionError",
+    "GenerationFinishedError",
     "GeometryMismatchError",
     "Hit",
     "IdentityMismatchError",
@@ -95,6 +100,8 @@ __all__ = [
     "register_family",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "request_key",
+    "request_policy",
     "RowIndexError",
     "Sampler",
     "save",

@@ -35,10 +35,11 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
+from .checkpoint import normalized
 from .identity import IDENTITY_FIELDS, model_geometry
 from .kinds import check_entry, is_recurrent_cache
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: generationCheckpoint in mlx-bun's layout (docs/format.md section 9)
 CODEC_PROVIDER = "mlxkv"
 ACCEPTED_PROVIDERS = ("mlxkv", "mlx-bun")
 META_KEY = "mlxkv"
@@ -134,8 +135,8 @@ def encode(
         "tokens": tokens,
         "caches": entries,
     }
-    if generation_checkpoint is not None:
-        header["generationCheckpoint"] = generation_checkpoint
+    if generation_checkpoint is not None:  # format 1's layout is translated, any other checked
+        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
     if attachments:
         header["attachments"] = attachments
     for key, value in (extra or {}).items():

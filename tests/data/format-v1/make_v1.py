@@ -54,7 +54,7 @@ def main():
         path = os.path.join(HERE, name)
         s.save(path)
         logits = []
-        tokens = s.generate(STEPS, lambda t, row: logits.append(np.array(row.astype(mx.float32))))
+        tokens = s.generate(STEPS, lambda t, row: logits.append(np.array(row.astype(mx.float32))))  # noqa: B023
         expected[name] = {"arch": arch, "tokens": tokens, "logitsSha256": digest(logits)}
     shutil.copy(os.path.join(ROOT, "fixtures", "valid", "kv-llama.safetensors"), HERE)
     manifest = json.load(open(os.path.join(ROOT, "fixtures", "manifest.json")))
