@@ -482,13 +482,16 @@ def test_turns_are_mlx_lm_s_chat_loop(models, arch):
     settings = {"temp": 0.9, "top_p": 0.95, "repetition_penalty": 1.3, "repetition_context_size": 8}
     turns = [prompt(12, seed=1), prompt(5, seed=2), prompt(9, seed=3)]
     mx.random.seed(9)
+    free = _mlx_lm_turn(model, turns[0], mlxkv.make_cache(model, "bf16"), settings, 10)
+    stop = free[3]  # a token that comes
+    mx.random.seed(9)
     caches = mlxkv.make_cache(model, "bf16")
-    first = _mlx_lm_turn(model, turns[0], caches, settings, 10)
-    stop = first[3]  # the second turn stops at this token, if it comes
-    want = [first] + [_mlx_lm_turn(model, t, caches, settings, 10, stop=(stop,)) for t in turns[1:]]
-    s = Session.start(model, turns[0], sampler=Sampler(**settings), seed=9, prefill_step_size=8, max_tokens=10)
+    want = [_mlx_lm_turn(model, t, caches, settings, 10, stop=(stop,)) for t in turns]
+    assert want[0] == free[: free.index(stop) + 1]
+    s = Session.start(
+        model, turns[0], sampler=Sampler(**settings), seed=9, prefill_step_size=8, stop_tokens=[stop], max_tokens=10
+    )
     got = [s.generate(50)]
-    s.stop_tokens = (stop,)  # mlx-lm's loop checked the stop token from the second turn on
     for t in turns[1:]:
         s.add_turn(t)
         got.append(s.generate(50))
@@ -501,12 +504,13 @@ def test_an_added_turn_is_a_new_request_and_resumes_bit_for_bit(models, tmp_path
     sampler = Sampler(temp=1.0, min_p=0.05, repetition_penalty=1.2, repetition_context_size=6)
     s = Session.start(model, prompt(10), "kv4-start8", sampler=sampler, seed=4, stop_tokens=[1], max_tokens=6)
     first = s.generate(10)
-    pending_before = s.pending_token
+    assert s.finished and len(first) <= 6
     turn = prompt(4, seed=9)
     s.add_turn(turn)  # the pending token is discarded, never forwarded
-    assert s.prompt_tokens == prompt(10) + first + turn and s.generated_tokens == []
-    assert all(c.offset == len(s.prompt_tokens) for c in s.caches if hasattr(c, "offset") and c.offset)
-    assert pending_before not in s.tokens[len(prompt(10)) + len(first) :] or pending_before in turn
+    assert s.tokens == s.prompt_tokens == prompt(10) + first + turn and s.generated_tokens == []
+    attention = [c for c in s.caches if not mlxkv.is_recurrent_cache(c)]
+    assert [c.offset for c in attention] == [len(s.tokens)] * len(attention)
+    assert not s.finished
     assert s.request_key == request_key(
         s.prompt_tokens, sampler, seed=4, stop_tokens=[1], max_tokens=6, scheme="kv4-start8"
     )

@@ -111,10 +111,28 @@ class Session:
     Build one with :meth:`start` or :meth:`restore` (or ``PromptStore.find_checkpoint``).
     """
 
-    def __init__(self, model, caches: list, *, prompt_tokens, generated_tokens, pending_token: int, prng_key,
-                 seed: int, seed_was_explicit: bool, sampler, policy: dict, ns: str, request_key: str,
-                 recent_tokens=(), finish_reason: str | None = None, stop_tokens=(), max_tokens=None,
-                 prefill_step_size: int = PREFILL_STEP, logits: mx.array | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        caches: list,
+        *,
+        prompt_tokens,
+        generated_tokens,
+        pending_token: int,
+        prng_key,
+        seed: int,
+        seed_was_explicit: bool,
+        sampler,
+        policy: dict,
+        ns: str,
+        request_key: str,
+        recent_tokens=(),
+        finish_reason: str | None = None,
+        stop_tokens=(),
+        max_tokens=None,
+        prefill_step_size: int = PREFILL_STEP,
+        logits: mx.array | None = None,
+    ):
         self.model = model
         self.caches = caches
         self.prompt_tokens: list[int] = [int(t) for t in prompt_tokens]
@@ -356,8 +374,18 @@ class Session:
         return cls._resumed(model, snap.caches, snap.tokens, cp, plan, prefill_step_size)
 
     @classmethod
-    def resume(cls, model, caches: list, header: dict, *, sampler=None, stop_tokens=None, max_tokens=None,
-               prefill_step_size: int = PREFILL_STEP, where: str = "") -> "Session":  # fmt: skip
+    def resume(
+        cls,
+        model,
+        caches: list,
+        header: dict,
+        *,
+        sampler=None,
+        stop_tokens=None,
+        max_tokens=None,
+        prefill_step_size: int = PREFILL_STEP,
+        where: str = "",
+    ) -> "Session":
         """A session over ``caches`` restored from a snapshot whose checked ``header`` holds a
         generation checkpoint (``PromptStore.find_checkpoint`` builds its sessions so)."""
         cp = read_checkpoint(header, where)
@@ -422,8 +450,10 @@ def _resume_plan(cp: Checkpoint, tokens: list, sampler, stop_tokens, max_tokens,
     _check_request(sampler, cp.seed, max_tokens, cp.cache_ns)
     stop = _stop_tokens(stop_tokens)
     key = mx.random.key(cp.seed)
-    for _ in range((cp.generated_tokens + 1) * sampler.splits_per_sample()):
+    for i in range((cp.generated_tokens + 1) * sampler.splits_per_sample()):
         key = mx.random.split(key)[0]
+        if i % 1024 == 1023:
+            mx.eval(key)  # keep the graph short for long generations
     generated = tokens[cp.original_prompt_tokens :]
     finish = None
     if generated and generated[-1] in stop:
