@@ -27,6 +27,7 @@ from .errors import (
     EagerDecodeWarning,
     EmptyCacheError,
     FormatVersionError,
+    GenerationFinishedError,
     GeometryMismatchError,
     IdentityMismatchError,
     MLXKVError,
@@ -39,6 +40,7 @@ from .errors import (
     UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
+from .state.checkpoint import Checkpoint
 from .state.kinds import (
     is_eviction_cache,
     is_plain_kv_cache,
@@ -49,7 +51,8 @@ from .state.kinds import (
     is_turboquant_cache,
 )
 from .state.prompt_cache import convert_prompt_cache, read_prompt_cache
-from .state.session import Sampler, Session
+from .state.sampler import Sampler
+from .state.session import Session, request_key, request_policy
 from .state.snapshot import Snapshot, load, read_header, save, verify
 from .state.store import FlushReport, Hit, PromptStore
 
@@ -57,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArraysCache",
+    "Checkpoint",
     "Bf16FirstCache",
     "CacheConfigError",
     "CompiledDecoder",
@@ -79,6 +83,7 @@ __all__ = [
     "FLAG",
     "FlushReport",
     "FormatVersionError",
+    "GenerationFinishedError",
     "GeometryMismatchError",
     "Hit",
     "IdentityMismatchError",
@@ -103,6 +108,8 @@ __all__ = [
     "register_family",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "request_key",
+    "request_policy",
     "RowIndexError",
     "Sampler",
     "save",

@@ -98,6 +98,7 @@ def layers_by_kind(kinds: list[str]) -> str:
 def cmd_inspect(args) -> int:
     from .io.mlxbun import is_mlx_bun_file
     from .io.safetensors import SafetensorsFile
+    from .state.checkpoint import describe as describe_checkpoint
     from .state.header import check_header
 
     if is_mlx_bun_file(args.file):  # hook: mlx-bun's format (state/mlxbun.py describes it)
@@ -119,19 +120,7 @@ def cmd_inspect(args) -> int:
         ("ns", repr(header.get("ns", ""))),
         ("tokens", f"{len(tokens)} [{shown}]"),
     ]
-    cp = header.get("generationCheckpoint")
-    if isinstance(cp, dict) and not {"promptTokens", "generatedTokens", "sampler"} <= set(cp):
-        # a checkpoint in another engine's shape (e.g. converted from mlx-bun): shown as stored
-        general.append(("generationCheckpoint", json.dumps(cp, separators=(",", ":"))))
-    elif cp is not None:
-        general.append(
-            (
-                "generationCheckpoint",
-                f"prompt {len(cp['promptTokens'])} + generated {len(cp['generatedTokens'])} tokens, "
-                f"pending {cp['pendingToken']}, seed {cp['seed']}, sampler {json.dumps(cp['sampler'])}, "
-                f"key {cp['key']}",
-            )
-        )
+    general += describe_checkpoint(header)
     if header.get("attachments"):
         general.append(("attachments", ", ".join(sorted(header["attachments"]))))
     width = max(len(k) for k, _ in general)
@@ -256,7 +245,7 @@ def cmd_demo(args) -> int:
     import numpy as np
 
     from .seeded import ARCHITECTURES, build_model
-    from .state.session import Sampler
+    from .state.sampler import Sampler
 
     warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
     schemes = QUICK_SCHEMES if args.quick else DEMO_SCHEMES
@@ -264,7 +253,13 @@ def cmd_demo(args) -> int:
         schemes = tuple(args.schemes.split(","))
     archs = tuple(args.archs.split(",")) if args.archs else ARCHITECTURES
     before, after = (12, 6) if args.quick else (args.before, args.after)
-    sampler = Sampler(temperature=args.temperature, top_p=args.top_p)
+    sampler = Sampler(
+        temp=args.temperature,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+    )
     t_start = time.perf_counter()
 
     keep = args.keep
@@ -324,8 +319,7 @@ def cmd_demo(args) -> int:
             )
         print(
             f"mlxkv demo: prompt {args.prompt} tokens, checkpoint after {before} generated, "
-            f"{after} more continued in a fresh process; sampler temperature={sampler.temperature} "
-            f"top_p={sampler.top_p} seed={args.seed}"
+            f"{after} more continued in a fresh process; sampler {json.dumps(sampler.to_policy())} seed={args.seed}"
         )
         print_table(
             [
@@ -421,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--after", type=int, default=16, help="tokens continued after it")
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--top-p", type=float, default=0.95)
+    d.add_argument("--min-p", type=float, default=0.0)
+    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--repetition-penalty", type=float, default=None)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--keep", metavar="DIR", help="keep the snapshots in DIR")
     d.set_defaults(func=cmd_demo)

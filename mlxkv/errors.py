@@ -66,6 +66,11 @@ class UnsupportedKindError(SnapshotError, UnknownKindError):
         MLXKVError.__init__(self, message)
 
 
+class GenerationFinishedError(MLXKVError):
+    """A session was asked for a token after its request finished (a stop token or its
+    ``max_tokens``-th token was emitted): start the next turn with ``add_turn``."""
+
+
 class StoreCapacityError(MLXKVError):
     """A prompt store cannot hold an entry: larger than its byte cap, or pinned entries
     leave no room for it. Nothing is stored and nothing held is lost."""

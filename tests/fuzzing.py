@@ -324,7 +324,8 @@ def _hostile(rng, data, parts):
     if choice == 0:  # tokens no longer match the offsets
         h["tokens"] = h["tokens"][:-1] if rng.random() < 0.5 else h["tokens"] + [1]
         if "generationCheckpoint" in h:
-            h["generationCheckpoint"]["generatedTokens"] = h["tokens"][len(h["generationCheckpoint"]["promptTokens"]) :]
+            cp = h["generationCheckpoint"]
+            cp["generatedTokens"] = len(h["tokens"]) - cp["originalPromptTokens"]  # the checkpoint stays consistent
     elif choice == 1:  # minimumReusableOffset out of range or a bool
         entry["minimumReusableOffset"] = rng.choice((-1, entry["offset"] + 1, True, 2**40))
     elif choice == 2:  # an ssm entry asking for a huge state list

@@ -59,7 +59,8 @@ def test_inspect_prints_the_header_without_reading_tensors(snapshot):
     out = proc.stdout
     assert "seeded/gemma3@0" in out
     assert "tokens" in out and "40 [" in out
-    assert "prompt 20 + generated 20 tokens" in out
+    assert "prompt 20 + generated 20 tokens" in out and "seed 4 (explicit)" in out
+    assert "(= the recorded policy's)" in out and '"temperature":0.8' in out and "finishReason" in out
     for kind in ("rotating", "qkv"):
         assert kind in out
     assert "kPacked:U32[1, 2, 40, 8]" in out

@@ -3,7 +3,7 @@
 - the generator rewrites them byte for byte, so any format change is a visible diff;
 - every fixture loads with ``mlxkv.load`` and its header, slots and decoded values (read
   through the live caches' own read path) match the manifest;
-- greedy generation continued from every model-made fixture gives the manifest's tokens;
+- generation continued from every model-made fixture gives the manifest's tokens;
 - every broken fixture is refused with the listed error and message.
 """
 
@@ -24,6 +24,8 @@ from mlxkv import errors
 from mlxkv.caches.transition import Bf16FirstCache
 from mlxkv.families import family_of_kind, known_persisted_kinds
 from mlxkv.seeded import build_model
+from mlxkv.state.generation_key import generation_key
+from mlxkv.state.session import Session
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text())
@@ -139,17 +141,35 @@ def test_fixture_loads_and_matches_the_manifest(fx):
         _check_layer(live, layer, f"{fx['name']} layer {i}")
 
 
-@pytest.mark.parametrize("fx", [f for f in FIXTURES if f["model"]], ids=[f["name"] for f in FIXTURES if f["model"]])
+MODEL_MADE = [f for f in FIXTURES if f["model"]]
+
+
+@pytest.mark.parametrize("fx", MODEL_MADE, ids=[f["name"] for f in MODEL_MADE])
 def test_generation_continues_from_the_fixture(fx):
+    """Restored as a Session, each checkpoint emits the manifest's tokens; the greedy ones
+    also by hand: forward ``pendingToken``, take mlx-lm's greedy token (the first argmax of
+    ``logits - logsumexp(logits)``, in the logits' dtype), repeat."""
     model = _model(fx["model"]["arch"], fx["model"]["seed"])
-    snap = mlxkv.load(str(ROOT / fx["file"]), model=model)
+    path = str(ROOT / fx["file"])
+    assert Session.restore(path, model).generate(len(fx["nextTokens"])) == fx["nextTokens"]
+    snap = mlxkv.load(path, model=model)
+    if snap.generation_checkpoint["mlxkv"]["policy"]["temperature"] != 0:
+        return
     y = snap.generation_checkpoint["pendingToken"]
     tokens = [y]
     while len(tokens) < len(fx["nextTokens"]):
         logits = model(mx.array([[y]]), cache=snap.caches)[:, -1]
-        y = int(mx.argmax(logits, -1).item())
+        y = int(mx.argmax(logits - mx.logsumexp(logits, keepdims=True), -1).item())
         tokens.append(y)
     assert tokens == fx["nextTokens"]
+
+
+def test_every_checkpoint_key_is_its_policy_s():
+    for fx in MODEL_MADE:
+        h = fx["header"]
+        cp = h["generationCheckpoint"]
+        prompt = h["tokens"][: cp["originalPromptTokens"]]
+        assert generation_key(cp["mlxkv"]["policy"], prompt, cp["cacheNs"]) == cp["key"], fx["name"]
 
 
 @pytest.mark.parametrize("bad", MANIFEST["broken"], ids=[b["name"] for b in MANIFEST["broken"]])

@@ -21,6 +21,7 @@ import mlxkv
 from mlxkv import errors
 from mlxkv.cli import main as cli
 from mlxkv.io import mlxbun as container
+from mlxkv.state.generation_key import generation_key
 from mlxkv.state.mlxbun import MlxBunSnapshot, save_mlx_bun
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"
@@ -574,3 +575,38 @@ def test_cli_convert_both_ways(tmp_path, capsys):
 
 
 # -- layering -------------------------------------------------------------------------------------
+
+
+# -- generation checkpoints ----------------------------------------------------------------------
+
+CHECKPOINT_FIXTURE = next(f for f in FIXTURES if f["name"] == "checkpoint-llama-v3")
+
+
+def test_the_fixture_checkpoint_key_is_the_request_key_mlxkv_computes():
+    fx = CHECKPOINT_FIXTURE
+    key, policy = fx["header"]["generationCheckpoint"]["key"], fx["checkpointPolicy"]
+    rest = {k: v for k, v in policy.items() if k not in ("promptIds", "cacheNs")}
+    assert generation_key(rest, policy["promptIds"], policy["cacheNs"]) == key
+    # the same request described to mlxkv: greedy, stop token 2, 32 tokens at most, no seed, bf16
+    assert mlxkv.request_key(policy["promptIds"], mlxkv.Sampler(), stop_tokens=[2], max_tokens=32) == key
+
+
+def test_an_mlx_bun_checkpoint_resumes_greedily_exact(models, tmp_path):
+    fx = CHECKPOINT_FIXTURE
+    path = str(BUN / fx["file"])
+    model = models(fx["model"]["arch"])
+    with pytest.raises(errors.SnapshotError, match="records no sampler state"):
+        mlxkv.Session.restore(path, model)
+    s = mlxkv.Session.restore(path, model, sampler=mlxkv.Sampler(), stop_tokens=[2], max_tokens=32)
+    cp = fx["header"]["generationCheckpoint"]
+    assert s.request_key == cp["key"] and (s.seed, s.seed_was_explicit) == (1234, False)
+    assert s.prompt_tokens == fx["checkpointPolicy"]["promptIds"] and len(s.generated_tokens) == 3
+    assert s.generate(len(fx["nextTokens"])) == fx["nextTokens"]
+    # saved back as mlx-bun's: mlx-bun's fields as mlx-bun has them, mlxkv's state beside them
+    out = str(tmp_path / "resumed.mlxkv")
+    s.save(out, format="mlx-bun")
+    saved = mlxkv.load(out).source["generationCheckpoint"]
+    assert {k: saved[k] for k in cp} == {**cp, "generatedTokens": 3 + 4, "pendingToken": s.pending_token}
+    assert saved["mlxkv"]["policy"]["eosTokenIds"] == [2] and saved["mlxkv"]["policy"]["maxTokens"] == 32
+    want = s.generate(3)
+    assert mlxkv.Session.restore(out, model).generate(3) == want

@@ -15,6 +15,7 @@ from safetensors import safe_open
 import mlxkv
 from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt
+from mlxkv.state.snapshot import FORMAT_VERSION
 
 SLOTS = {
     "kv": ["keys", "values"],
@@ -74,7 +75,7 @@ def test_header_fields_slots_and_dtypes(models, tmp_path):
     path = str(tmp_path / "g.safetensors")
     mlxkv.save(path, caches, tokens, model_id="m", config_fingerprint="cf", tokenizer_hash="th", ns="lora-a")
     h = mlxkv.read_header(path)
-    assert h["formatVersion"] == 1 and h["codecProvider"] == "mlxkv" and h["tokens"] == tokens
+    assert h["formatVersion"] == FORMAT_VERSION and h["codecProvider"] == "mlxkv" and h["tokens"] == tokens
     assert (h["modelId"], h["configFingerprint"], h["tokenizerHash"], h["ns"]) == ("m", "cf", "th", "lora-a")
     ring, quant = h["caches"][0], h["caches"][1]
     assert ring["kind"] == "rotating" and ring["maxSize"] == 32 and ring["keep"] == 0
@@ -161,8 +162,8 @@ def test_unknown_kind_fails_before_any_tensor_is_read(saved, monkeypatch):
 
 def test_newer_format_version(saved):
     path = saved[0]
-    rewrite_header(path, lambda h: h.update(formatVersion=2))
-    with pytest.raises(mlxkv.FormatVersionError, match="version 2"):
+    rewrite_header(path, lambda h: h.update(formatVersion=FORMAT_VERSION + 1))
+    with pytest.raises(mlxkv.FormatVersionError, match=f"version {FORMAT_VERSION + 1}"):
         mlxkv.read_header(path)
 
 

@@ -14,8 +14,9 @@ import numpy as np
 from helpers import data_start, flip_bit, rewrite_header
 from store_helpers import build, continuation, forward
 
-from mlxkv import PromptStore, Sampler, Session
+from mlxkv import PromptStore, Sampler, Session, request_key
 from mlxkv.seeded import prompt, tokenizer
+from mlxkv.state.snapshot import FORMAT_VERSION
 
 CAP = 64 << 20
 PER_TOKEN = 4 * 2 * 2 * 64 * 2  # seeded llama, bf16
@@ -91,7 +92,7 @@ def test_regression_other_identities_and_newer_formats_are_kept_not_served(model
         shutil.copy(src, dst)
     rewrite_header(other, lambda h: h.update(configFingerprint="f" * 64))
     rewrite_header(tok, lambda h: h.update(tokenizerHash="0" * 64))
-    rewrite_header(newer, lambda h: h.update(formatVersion=2))
+    rewrite_header(newer, lambda h: h.update(formatVersion=FORMAT_VERSION + 1))
     rewrite_header(unknown, lambda h: h["caches"][0].update(kind="kv-from-the-future"))
     os.unlink(src)
     with _open(model, tmp_path) as s:
@@ -294,13 +295,19 @@ def test_disk_cap_evicts_least_recently_used_files(models, tmp_path):
 # -- generation checkpoints ------------------------------------------------------------------
 
 
-def _session(model, scheme="bf16"):
-    return Session.start(model, prompt(12, seed=5), scheme, sampler=Sampler(temperature=0.8, top_p=0.9), seed=3)
+SAMPLER = Sampler(temp=0.8, top_p=0.9, repetition_penalty=1.1)
+PROMPT = prompt(12, seed=5)
 
 
-def test_checkpoints_are_found_by_prompt_and_sampler_and_resume_bit_for_bit(models, tmp_path):
+def _session(model, scheme="bf16", ns=""):
+    return Session.start(model, PROMPT, scheme, sampler=SAMPLER, seed=3, ns=ns)
+
+
+def test_checkpoints_are_found_by_request_key_and_resume_bit_for_bit(models, tmp_path):
     model = models("llama")
     s = _session(model)
+    key = request_key(PROMPT, SAMPLER, seed=3)
+    assert s.request_key == key
     with _open(model, tmp_path) as store:
         s.generate(5)
         s.save_to(store)
@@ -311,17 +318,33 @@ def test_checkpoints_are_found_by_prompt_and_sampler_and_resume_bit_for_bit(mode
     reference = []
     expected = s.generate(8, lambda t, logits: reference.append(np.array(logits.astype(mx.float32))))
     with _open(model, tmp_path) as store:
-        assert store.find_checkpoint(prompt(12, seed=5), Sampler()) is None  # another sampler
-        assert store.find_checkpoint(prompt(12, seed=6), Sampler(temperature=0.8, top_p=0.9)) is None
-        assert store.find_checkpoint(prompt(12, seed=5), Sampler(temperature=0.8, top_p=0.9), seed=4) is None
-        r = store.find_checkpoint(prompt(12, seed=5), Sampler(temperature=0.8, top_p=0.9))
-        assert len(r.generated_tokens) == 10
+        assert store.find_checkpoint(PROMPT, request_key(PROMPT, Sampler(), seed=3)) is None  # another sampler
+        assert store.find_checkpoint(PROMPT, request_key(PROMPT, SAMPLER, seed=4)) is None  # another seed
+        assert store.find_checkpoint(PROMPT, request_key(PROMPT, SAMPLER)) is None  # a server-default seed
+        assert store.find_checkpoint(PROMPT, key, ns="lora-a") is None  # another namespace
+        assert store.find_checkpoint(prompt(12, seed=6), key) is None  # another prompt
+        assert store.find_checkpoint(PROMPT[:-1], key) is None  # a prompt of another length
+        r = store.find_checkpoint(PROMPT, key)
+        assert len(r.generated_tokens) == 10 and r.request_key == key
         logits = []
         assert r.generate(8, lambda t, row: logits.append(np.array(row.astype(mx.float32)))) == expected
         np.testing.assert_array_equal(np.stack(logits), np.stack(reference))
         # resuming appended to lent caches: the stored checkpoint is unchanged
-        again = store.find_checkpoint(prompt(12, seed=5), Sampler(temperature=0.8, top_p=0.9))
+        again = store.find_checkpoint(PROMPT, key)
         assert again.generate(8) == expected
+
+
+def test_a_checkpoint_must_strictly_extend_its_prompt(models, tmp_path):
+    """mlx-bun's findGenerationCheckpoint: nothing generated yet, nothing found."""
+    model = models("llama")
+    s = _session(model, ns="lora-a")
+    with _open(model, tmp_path) as store:
+        s.save_to(store)
+        assert store.find_checkpoint(PROMPT, s.request_key, ns="lora-a") is None
+        s.generate(1)
+        s.save_to(store)
+        assert len(store.find_checkpoint(PROMPT, s.request_key, ns="lora-a").generated_tokens) == 1
+        assert store.find_checkpoint(PROMPT, s.request_key) is None
 
 
 def test_regression_a_newer_checkpoint_supersedes_only_after_its_rename(models, tmp_path):
@@ -340,7 +363,7 @@ def test_regression_a_newer_checkpoint_supersedes_only_after_its_rename(models, 
         os.unlink(root)
         os.rename(root + ".away", root)
     with _open(model, tmp_path) as store:  # the older checkpoint is still there
-        r = store.find_checkpoint(prompt(12, seed=5), Sampler(temperature=0.8, top_p=0.9))
+        r = store.find_checkpoint(PROMPT, s.request_key)
         assert len(r.generated_tokens) == 4
 
 

@@ -73,8 +73,10 @@ def affine_scheme(m, options) -> Scheme:
             lambda i, o: QuantizedKVCache(group_size=group, bits=bits),
             True,
             lambda n, keep: RotatingQuantizedKVCache(n, keep, group_size=group, bits=bits),
+            policy={"kvScheme": f"kv{bits}-g{group}"},  # quantized from token 0: mlx-bun has no such cache
         )
     pending = PendingConversion(
         f"kv{bits}-g{group}", int(start), lambda c: QuantizedKVCache.from_cache(c, group_size=group, bits=bits)
     )
-    return Scheme(m.string, lambda i, o: Bf16FirstCache(pending), True)
+    policy = {"kvBits": bits, "kvGroupSize": group, "quantizedKvStart": int(start)}
+    return Scheme(m.string, lambda i, o: Bf16FirstCache(pending), True, policy=policy)

@@ -14,3 +14,6 @@ class Scheme:
     build: Callable[[int, dict], object]  # (layer index, options) -> cache
     quantizes: bool  # sliding-window layers stay bf16 under it (make_cache warns)
     ring: Callable[[int, int], object] | None = None  # (max_size, keep) -> ring cache
+    #: what a generation's request key says of the scheme (docs/sessions.md): mlx-bun's fields
+    #: where mlx-bun builds the same caches, else None: ``{"kvScheme": name}``
+    policy: dict | None = None

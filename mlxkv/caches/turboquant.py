@@ -300,7 +300,8 @@ def turbo_scheme(m, opts):
         )
         return Bf16FirstCache(pending)
 
-    return Scheme(m.string, build, True)
+    policy = {"turboQuant": {"kBits": k_bits, "vBits": v_bits}, "quantizedKvStart": start}
+    return Scheme(m.string, build, True, policy=policy)
 
 
 TURBO_SCHEME = r"turbo-k(?P<k>\d+)v(?P<v>\d+)(?:-start(?P<start>\d+))?"

@@ -18,7 +18,7 @@ from ..io import strict_json
 from ..io.safetensors import SafetensorsHeader, crc32_hex
 from .kinds import check_entry
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: generationCheckpoint in mlx-bun's layout (docs/format.md section 9)
 CODEC_PROVIDER = "mlxkv"
 ACCEPTED_PROVIDERS = ("mlxkv", "mlx-bun")
 META_KEY = "mlxkv"
@@ -61,9 +61,9 @@ def _check_version(path: str, header: dict) -> None:
     version = header.get("formatVersion")
     if not is_int(version):
         raise CorruptSnapshotError(f"{path}: formatVersion missing or not an integer")
-    if version != FORMAT_VERSION:
+    if not 1 <= version <= FORMAT_VERSION:
         raise FormatVersionError(
-            f"{path}: snapshot format version {version}; this mlxkv reads version "
+            f"{path}: snapshot format version {version}; this mlxkv reads versions 1 to "
             f"{FORMAT_VERSION}" + (": upgrade mlxkv to read it" if version > FORMAT_VERSION else "")
         )
 

@@ -117,6 +117,14 @@ def model_fingerprint(model) -> str:
     return fingerprint
 
 
+def legacy_config_fingerprint(model) -> str:
+    """The fingerprint mlxkv recorded before fingerprints covered the weights: sha256 of the
+    model's config alone. Snapshots that carry it (format 1, and files converted from them)
+    still load into a model of that config; every new save records ``model_fingerprint``."""
+    text = json.dumps(model_config(model), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def tokenizer_hash(tokenizer) -> str:
     """sha256 hex over a tokenizer's vocabulary (token -> id, sorted)."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else dict(tokenizer)

@@ -36,6 +36,8 @@ from ..errors import (
 from ..families import family_of_kind, family_of_persisted, kind_of
 from ..io import mlxbun as container
 from ..io.tensor_reader import TensorReader
+from .checkpoint import describe as describe_checkpoint
+from .checkpoint import normalized
 from .identity import IDENTITY_FIELDS
 from .kinds import check_entry
 from .snapshot import Snapshot, check_for_model, check_identity, decode, encode_layer
@@ -385,8 +387,8 @@ def save_mlx_bun(
         "tokenizerHash": tokenizer_hash,
         "ns": ns,
     }
-    if generation_checkpoint is not None:
-        header["generationCheckpoint"] = generation_checkpoint
+    if generation_checkpoint is not None:  # mlx-bun's fields; mlxkv's own state rides along
+        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
     if att_entries:
         header["attachments"] = att_entries
     header.update({"codecProvider": container.CODEC_PROVIDER, "tokens": tokens, "caches": entries})
@@ -478,8 +480,7 @@ def describe(path: str) -> tuple[list, list, list]:
     ]
     general += [(k, repr(raw[k]) if k == "ns" else raw[k]) for k in IDENTITY_FIELDS.values() if k in raw]
     general.append(("tokens", f"{len(tokens)} [{shown}]"))
-    if "generationCheckpoint" in raw:
-        general.append(("generationCheckpoint", json.dumps(raw["generationCheckpoint"], separators=(",", ":"))))
+    general += describe_checkpoint(header)
     for att, group in zip(raw.get("attachments", []), f.attachments):
         meta = json.dumps(att["metadata"], separators=(",", ":"))
         general.append(("attachment", f"{att['schema']}: {len(group)} tensors, metadata {meta}"))

@@ -38,6 +38,7 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
+from .checkpoint import normalized
 from .header import (  # noqa: F401 - the header constants are part of this module's interface
     ACCEPTED_PROVIDERS,
     CODEC_PROVIDER,
@@ -46,7 +47,7 @@ from .header import (  # noqa: F401 - the header constants are part of this modu
     META_KEY,
     check_header,
 )
-from .identity import IDENTITY_FIELDS, model_fingerprint, model_geometry, model_identity
+from .identity import IDENTITY_FIELDS, legacy_config_fingerprint, model_fingerprint, model_geometry, model_identity
 from .kinds import is_recurrent_cache
 
 
@@ -178,8 +179,8 @@ def encode(
         "tokens": tokens,
         "caches": entries,
     }
-    if generation_checkpoint is not None:
-        header["generationCheckpoint"] = generation_checkpoint
+    if generation_checkpoint is not None:  # format 1's layout is translated, any other checked
+        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
     if attachments:
         header["attachments"] = attachments
     for key, value in (extra or {}).items():
@@ -318,7 +319,7 @@ def check_model_identity(path, header, model):
     if not recorded:
         return  # saved without a model: nothing to compare (the geometry still is)
     mine = model_fingerprint(model)
-    if recorded != mine:
+    if recorded != mine and recorded != legacy_config_fingerprint(model):
         raise IdentityMismatchError(
             f"{path}: the snapshot was computed by another model (fingerprint {recorded[:16]}..., "
             f"this model's is {mine[:16]}...; modelId {header.get('modelId')!r}): its caches would make this "

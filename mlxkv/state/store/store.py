@@ -9,8 +9,6 @@ replacing an exact duplicate and dropping entries it covers. docs/store.md has t
 """
 
 import contextlib
-import hashlib
-import json
 import os
 import threading
 from collections.abc import Sequence
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ...errors import MLXKVError, SnapshotError, StoreCapacityError
+from ..checkpoint import read_checkpoint
 from ..identity import model_identity, tokenizer_hash
 from ..reuse import common_prefix, covers
 from .disk import DiskTier, OpenReport
@@ -62,17 +61,15 @@ class FlushReport:
         return not self.failed
 
 
-def generation_of(ns: str, prompt_tokens: Sequence[int], sampler: dict) -> str:
-    """The id of a generation's checkpoints: its namespace, prompt and sampler."""
-    doc = {"ns": ns, "promptTokens": [int(t) for t in prompt_tokens], "sampler": sampler}
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+def checkpoint_space(key: str, cache_ns: str) -> str:
+    """The space a generation's checkpoints are filed under: its request key and namespace
+    (mlx-bun files them under ``__generation_checkpoint__:<key>`` and checks ``cacheNs``)."""
+    return f"{CHECKPOINT_SPACE}{key}:{cache_ns}"
 
 
 def _checkpoint_space(header: dict) -> str:
-    cp = header["generationCheckpoint"]
-    gen = generation_of(header.get("ns", ""), cp["promptTokens"], cp["sampler"])
-    return f"{CHECKPOINT_SPACE}{gen}:{int(cp['seed'])}"
+    cp = read_checkpoint(header)
+    return checkpoint_space(cp.key, cp.cache_ns)
 
 
 class PromptStore:
@@ -301,17 +298,17 @@ class PromptStore:
             self._admit(entry, block_chain(seed, tokens, self.block), pin)
             self.stats["puts"] += 1
 
-    def put_checkpoint(self, session, *, ns: str = "") -> None:
-        """Store a generation checkpoint of ``session`` (its caches, tokens and sampler
-        state). A longer checkpoint of the same generation (prompt, sampler, seed, ns)
-        replaces shorter ones; on disk only once its own file is in place."""
+    def put_checkpoint(self, session) -> None:
+        """Store a generation checkpoint of ``session`` (its caches, tokens and sampling
+        state), filed under its request key and namespace. A longer checkpoint of the same
+        request replaces shorter ones; on disk only once its own file is in place."""
         self._check_open()
-        ns = self._check_ns(ns)
+        ns = self._check_ns(session.ns)
         cp = session.checkpoint()
         tokens = session.tokens
-        space = _checkpoint_space({"ns": ns, "generationCheckpoint": cp})
+        space = checkpoint_space(cp.key, cp.cache_ns)
         key = entry_id(self._seed(space), tokens)
-        entry = freeze(key, space, session.caches, tokens, self.identity, ns, checkpoint=cp)
+        entry = freeze(key, space, session.caches, tokens, self.identity, ns, checkpoint=cp.to_header())
         if entry.nbytes > self._cap:
             raise StoreCapacityError(f"a checkpoint of {entry.nbytes} bytes is larger than the cap of {self._cap}")
         with self._cond:
@@ -472,28 +469,33 @@ class PromptStore:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def find_checkpoint(self, prompt_tokens, sampler, *, ns: str = "", seed: int | None = None):
-        """The longest checkpoint of a generation of ``prompt_tokens`` with ``sampler`` (and
-        ``seed`` when given) in namespace ``ns``, restored as a ``Session`` over lent caches,
-        or None."""
-        from ..session import Sampler, Session
+    def find_checkpoint(self, prompt_tokens, key: str, *, ns: str = "", **resume):
+        """The longest checkpoint of the request ``key`` (``Session.request_key``, or
+        ``mlxkv.request_key(prompt, sampler, ...)``) for ``prompt_tokens`` in namespace ``ns``,
+        restored as a ``Session`` over lent caches (resuming never changes the stored
+        checkpoint), or None. mlx-bun's ``findGenerationCheckpoint`` rule: the key and
+        namespace match, the checkpoint's prompt is as long as ``prompt_tokens``, and its
+        tokens strictly extend them. ``resume``: ``Session.resume``'s sampler options, for a
+        checkpoint that records no sampling state."""
+        from ..session import Session
 
         self._check_open()
         ns, prompt = self._check_ns(ns), self._tokens(prompt_tokens)
-        gen = generation_of(ns, prompt, sampler.to_header())
-        prefix = f"{CHECKPOINT_SPACE}{gen}:"
+        space = checkpoint_space(key, ns)
 
         def matches(e: Entry):
             return (
-                e.space.startswith(prefix)
-                and (seed is None or e.space == f"{prefix}{int(seed)}")
+                e.checkpoint is not None
+                and e.space == space
+                and len(e.tokens) > len(prompt)
                 and e.tokens[: len(prompt)] == prompt
+                and read_checkpoint(e.header).original_prompt_tokens == len(prompt)
             )
 
         with self._cond:
-            found = [e for e in self._ram.entries() if e.checkpoint is not None and matches(e)]
+            found = [e for e in self._ram.entries() if matches(e)]
             if self._disk is not None:
-                found += [e for e in self._disk.entries() if e.checkpoint is not None and matches(e)]
+                found += [e for e in self._disk.entries() if matches(e)]
         found.sort(key=lambda e: -len(e.tokens))  # stable: RAM before disk on ties
         for e in found:
             source = e if e.arrays is not None else self._read_disk(e)
@@ -501,18 +503,8 @@ class PromptStore:
                 continue
             if e.arrays is None:
                 self._promote(source, [])
-            cp = source.checkpoint
             caches = source.lend(len(source.tokens))
-            return Session(
-                self.model,
-                caches,
-                cp["promptTokens"],
-                cp["generatedTokens"],
-                cp["pendingToken"],
-                mx.array(cp["key"], dtype=mx.uint32),
-                cp["seed"],
-                Sampler.from_header(cp["sampler"]),
-            )
+            return Session.resume(self.model, caches, source.header, where="prompt store", **resume)
         return None
 
     # -- the writer ------------------------------------------------------------------------
