@@ -16,7 +16,8 @@ For every scheme of the grid and every context length, in one run:
 Eviction budgets at or above the context evict nothing and are not run at that context.
 
 Usage:
-  python benchmarks/quality.py [--contexts 512 1024 2048] [--out benchmarks/results/quality.json] [--plot docs/img]
+  python benchmarks/quality.py [--contexts 512 1024 2048] [--jobs 2] [--out benchmarks/results/quality.json]
+                               [--plot docs/img]
   python benchmarks/quality.py --reduced        # the CI grid, seconds
 """
 
@@ -138,11 +139,6 @@ def recall_accuracy(model, caches, batch: data.RecallBatch, chunk: int) -> float
     return float(np.mean(np.all(got == want, axis=-1)))
 
 
-def model_config(model) -> dict:
-    args = getattr(model, "args", None)
-    return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))} if args else {}
-
-
 def held_bytes(caches) -> int:
     return int(sum(c.nbytes for c in caches))
 
@@ -176,25 +172,23 @@ class Settings:
 REDUCED = Settings(contexts=(256,), chunk=64, n_text=2, n_recall=4, n_pairs=8)
 
 
-def evaluate(model, cases: list[Case], settings: Settings, calibration=None, log: Callable = print) -> dict:
-    """Measure every case at every context; returns the JSON table."""
+def measure(model, cases: list[Case], settings: Settings, calibration=None, log: Callable = print) -> list:
+    """One row per case and context; ``cases[0]`` must be bf16 (the reference)."""
+    if cases[0].family != "bf16":
+        raise ValueError("the first case must be bf16: the reference")
     text = data.corpus_split("eval")
     rows = []
-    t_start = time.perf_counter()
     for L in settings.contexts:
         tokens = mx.array(data.text_batch(settings.n_text, L, text))
         recall = data.recall_batch(settings.seed + L, settings.n_recall, L, settings.n_pairs, text)
-        ref_lp, ref_nll = None, None
+        ref_lp = ref_nll = None
         for case in cases:
             if case.budget is not None and case.budget >= L:
                 continue
             t0 = time.perf_counter()
             caches = case.caches(model, calibration)
             lp = prefill_logprobs(model, caches, tokens, settings.chunk)
-            if ref_lp is None:
-                if case.family != "bf16":
-                    raise ValueError("the first case must be bf16: the reference")
-                ref_lp = lp
+            ref_lp = lp if ref_lp is None else ref_lp
             nll, kl = text_scores(lp, ref_lp, tokens, settings.chunk)
             ref_nll = nll if ref_nll is None else ref_nll
             row = {
@@ -211,29 +205,58 @@ def evaluate(model, cases: list[Case], settings: Settings, calibration=None, log
             rows.append(row)
             log(f"L={L:5d} {case.family:20s} {case.setting:6s} B/tok {row['bytes_per_token']:8.1f} "
                 f"recall {row['recall']:.3f} rel_ppl {row['rel_ppl']:.4f} kl {row['kl']:.2e} {row['seconds']:.1f}s")
-    n_queries = settings.n_recall * settings.n_pairs
-    return {
-        "model": model.mlxkv_model_id,
-        "config": model_config(model),
-        "corpus": data.CORPUS_NAME,
-        "corpus_sha256": data.corpus_sha256(),
-        "settings": {**asdict(settings), "queries_per_context": n_queries, "sinks": SINKS,
-                     "qfilters_recent": "budget // 4", "scored_positions": "chunk .. context-2"},
-        "chance": {"exact_uniform": len(data.ALPHABET) ** -data.VALUE_LEN, "one_of_defined": 1 / settings.n_pairs},
-        "rows": rows,
-        "seconds": round(time.perf_counter() - t_start, 1),
-    }
+    return rows
 
 
-def run(reduced: bool = False, settings: Settings | None = None, log: Callable = print,
-        model_dir=quality_model.MODEL_DIR) -> dict:
-    """Load the quality model, calibrate Q-Filters, evaluate the grid (reduced: the CI grid)."""
-    settings = settings or (REDUCED if reduced else Settings())
+def _measure_in_process(reduced: bool, settings: Settings, cases: list[Case], model_dir) -> list:
     model = quality_model.load(model_dir)
     calibration = calibrate(model, reduced)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return evaluate(model, grid(reduced), settings, calibration, log)
+        return measure(model, cases, settings, calibration, log=lambda s: print(s, flush=True))
+
+
+def run(reduced: bool = False, settings: Settings | None = None, log: Callable = print,
+        model_dir=quality_model.MODEL_DIR, jobs: int = 1) -> dict:
+    """Load the quality model, calibrate Q-Filters, evaluate the grid (reduced: the CI grid)
+    and return the JSON table. ``jobs`` > 1 splits the grid over that many processes (each
+    runs the bf16 reference itself; the arithmetic is the same as in one process)."""
+    settings = settings or (REDUCED if reduced else Settings())
+    cases = grid(reduced)
+    t0 = time.perf_counter()
+    if jobs <= 1:
+        model = quality_model.load(model_dir)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = measure(model, cases, settings, calibrate(model, reduced), log)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        shares = [[cases[0]] + cases[1 + i :: jobs] for i in range(jobs)]
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_measure_in_process, [reduced] * jobs, [settings] * jobs, shares,
+                                  [model_dir] * jobs))
+        order = {c: i for i, c in enumerate(cases)}
+        seen, rows = set(), []
+        for r in sorted((r for part in parts for r in part),
+                        key=lambda r: (r["context"], order[Case(r["family"], r["scheme"], r["setting"], r["budget"])])):
+            key = (r["context"], r["family"], r["setting"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    return {
+        "model": quality_model.model_id(model_dir),
+        "config": quality_model.config(model_dir),
+        "corpus": data.CORPUS_NAME,
+        "corpus_sha256": data.corpus_sha256(),
+        "settings": {**asdict(settings), "queries_per_context": settings.n_recall * settings.n_pairs,
+                     "sinks": SINKS, "qfilters_recent": "budget // 4", "scored_positions": "chunk .. context-2",
+                     "jobs": jobs},
+        "chance": {"exact_uniform": len(data.ALPHABET) ** -data.VALUE_LEN, "one_of_defined": 1 / settings.n_pairs},
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def main(argv=None):
@@ -243,6 +266,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int)
     ap.add_argument("--n-text", type=int)
     ap.add_argument("--n-recall", type=int)
+    ap.add_argument("--jobs", type=int, default=1, help="processes to split the grid over")
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--plot", metavar="DIR", help="also write PNG plots there (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -250,7 +274,7 @@ def main(argv=None):
     overrides = {"contexts": tuple(args.contexts) if args.contexts else None, "chunk": args.chunk,
                  "n_text": args.n_text, "n_recall": args.n_recall}
     settings = Settings(**{**asdict(settings), **{k: v for k, v in overrides.items() if v is not None}})
-    table = run(args.reduced, settings, log=lambda s: print(s, flush=True))
+    table = run(args.reduced, settings, log=lambda s: print(s, flush=True), jobs=args.jobs)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(table, f, indent=1)

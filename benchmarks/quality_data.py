@@ -4,12 +4,13 @@ Corpus: the English documentation text of the CPython standard library's ``pydoc
 (the help() topics; present in every CPython install), topics joined in sorted order, UTF-8
 bytes. The first 90 % of the bytes are for training, the last 10 % for evaluation.
 
-Tokens: bytes are ids 0-255; ``BOS``, ``PAIR`` and ``ASK`` are 256-258; ``N_KEYS`` key
-tokens follow (259 on); the vocabulary is padded to a multiple of 8.
+Tokens: bytes are ids 0-255; ``BOS``, ``PAIR`` and ``ASK`` are 256-258; the vocabulary is
+padded to 264.
 
-Recall: ``PAIR key v1 v2 v3`` defines a pair (a key token, distinct within a sequence, and a
-value of ``VALUE_LEN`` random lowercase letters); ``ASK key`` asks for the value of a key
-defined earlier, and the next ``VALUE_LEN`` tokens are the answer.
+Recall: ``PAIR K1 K2 v1 v2 v3`` defines a pair: a key of ``KEY_LEN`` random uppercase letters
+(distinct within a sequence; uppercase pairs are rare in the corpus) and a value of
+``VALUE_LEN`` random lowercase letters. ``ASK K1 K2`` asks for the value of a key defined
+earlier, and the next ``VALUE_LEN`` tokens are the answer.
 """
 
 import hashlib
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 BOS, PAIR, ASK = 256, 257, 258
-KEY0, N_KEYS = 259, 32
-VOCAB = -(-(KEY0 + N_KEYS) // 8) * 8
+VOCAB = 264
+KEY_LEN = 2
 VALUE_LEN = 3
+KEY_ALPHABET = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8).astype(np.int64)
 ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8).astype(np.int64)
-PROMPT_LEN = 2  # PAIR/ASK, key
+PROMPT_LEN = 1 + KEY_LEN  # PAIR/ASK, key
 ITEM_LEN = PROMPT_LEN + VALUE_LEN
 TRAIN_FRACTION = 0.9
 CORPUS_NAME = "pydoc_data.topics (CPython standard library help() topics), sorted by topic, UTF-8"
@@ -52,7 +54,7 @@ def corpus_split(split: str) -> np.ndarray:
 @dataclass
 class RecallBatch:
     """Recall sequences of one layout: ``tokens`` [B, L]; the defined pairs
-    ``keys`` [B, P] and ``values`` [B, P, VALUE_LEN]; ``prefix`` tokens come before
+    ``keys`` [B, P, KEY_LEN] and ``values`` [B, P, VALUE_LEN]; ``prefix`` tokens come before
     the first query; query ``q`` asks for pair ``order[:, q]`` and starts at
     ``prefix + q * ITEM_LEN``."""
 
@@ -68,14 +70,16 @@ class RecallBatch:
 
 
 def _pairs(rng: np.random.Generator, n: int):
-    """n distinct key tokens and n values (letter tokens)."""
-    keys = KEY0 + rng.choice(N_KEYS, size=n, replace=False)
+    """n distinct keys [n, KEY_LEN] and n values [n, VALUE_LEN], as letter tokens."""
+    base = len(KEY_ALPHABET)
+    codes = rng.choice(base**KEY_LEN, size=n, replace=False)
+    digits = (codes[:, None] // base ** np.arange(KEY_LEN - 1, -1, -1)) % base
     values = ALPHABET[rng.integers(0, len(ALPHABET), size=(n, VALUE_LEN))]
-    return keys, values
+    return KEY_ALPHABET[digits], values
 
 
-def _item(head: int, key: int, value: np.ndarray) -> np.ndarray:
-    return np.concatenate([[head, key], value])
+def _item(head: int, key: np.ndarray, value: np.ndarray) -> np.ndarray:
+    return np.concatenate([[head], key, value])
 
 
 def recall_batch(seed: int, batch: int, length: int, n_pairs: int, text: np.ndarray) -> RecallBatch:
@@ -126,7 +130,7 @@ def training_sequence(rng: np.random.Generator, length: int, text: np.ndarray, m
         start = int(rng.integers(0, len(text) - n))
         tokens = np.concatenate([[BOS], text[start : start + n - 1]])
         return tokens, np.ones(length, dtype=np.float32)
-    max_pairs = min(max_pairs, N_KEYS, (length - 32) // (2 * ITEM_LEN))
+    max_pairs = min(max_pairs, (length - 32) // (2 * ITEM_LEN))
     n_pairs = int(rng.integers(4, max_pairs + 1))
     n_queries = int(rng.integers(max(1, n_pairs // 2), n_pairs + 1))
     k, v = _pairs(rng, n_pairs)

@@ -4,6 +4,7 @@ One PNG per metric (recall, relative perplexity, KL) at the largest context, one
 scheme family, plus recall against context length per family at one budget.
 
 Usage: python benchmarks/quality_plot.py [benchmarks/results/quality.json] [--out docs/img]
+       python benchmarks/quality_plot.py [benchmarks/results/quality.json] --markdown [CONTEXT ...]
 """
 
 import argparse
@@ -123,13 +124,33 @@ def plot_all(table: dict, out_dir: str, budget: int = 256) -> list:
     return paths
 
 
+def markdown_table(table: dict, context: int | None = None) -> str:
+    """The rows at ``context`` (default: the largest) as a markdown table."""
+    context = context or max(r["context"] for r in table["rows"])
+    lines = [
+        "| family | setting | bytes/token | x bf16 | recall | rel. ppl | KL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ref = next(r for r in _rows(table, context) if r["family"] == "bf16")["bytes_per_token"]
+    for r in _rows(table, context):
+        lines.append(f"| {r['family']} | {r['setting']} | {r['bytes_per_token']:.0f} | {r['bytes_per_token'] / ref:.3f} "
+                     f"| {r['recall']:.3f} | {r['rel_ppl']:.4f} | {r['kl']:.2e} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", nargs="?", default=os.path.join(HERE, "results", "quality.json"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs", "img"))
+    ap.add_argument("--markdown", type=int, nargs="*", metavar="CONTEXT",
+                    help="print the table at these contexts (none given: the largest) instead of plotting")
     args = ap.parse_args(argv)
     with open(args.table) as f:
         table = json.load(f)
+    if args.markdown is not None:
+        for c in args.markdown or [None]:
+            print(markdown_table(table, c), end="\n\n")
+        return 0
     for p in plot_all(table, args.out):
         print(f"wrote {p}")
     return 0
