@@ -46,7 +46,7 @@ CONFIG = {
 
 # (sequence length, batch, steps): the recall circuit forms on short sequences (cheap), then
 # longer ones teach it the distances up to the full context.
-PHASES = [(128, 32, 700), (512, 8, 100), (2048, 2, 50)]
+PHASES = [(128, 16, 1200), (512, 8, 80), (2048, 2, 40)]
 LR, WARMUP, DECAY_FROM, MIN_LR_FRACTION = 3e-3, 30, 0.75, 0.1
 BETAS, ADAM_EPS, WEIGHT_DECAY, CLIP = (0.9, 0.98), 1e-8, 0.01, 1.0
 
