@@ -95,8 +95,8 @@ def plot_recall_vs_context(table: dict, budget: int, path: str) -> str:
             pts = sorted((r["context"], r["recall"]) for r in table["rows"] if r["scheme"] == "kv4")
             label = "kv4"
         elif family == "turbo":
-            pts = sorted((r["context"], r["recall"]) for r in table["rows"] if r["scheme"] == "turbo-k4v3")
-            label = "turbo-k4v3"
+            pts = sorted((r["context"], r["recall"]) for r in table["rows"] if r["scheme"] == "turbo-k4v4")
+            label = "turbo-k4v4"
         else:
             label = LABEL[family] + ("" if family == "bf16" else f", budget {budget}")
         if pts:
@@ -127,8 +127,8 @@ def markdown_table(table: dict, context: int | None = None) -> str:
     """The rows at ``context`` (default: the largest) as a markdown table."""
     context = context or max(r["context"] for r in table["rows"])
     lines = [
-        "| family | setting | bytes/token | x bf16 | recall | rel. ppl | KL |",
-        "|---|---|---|---|---|---|---|",
+        "| family | setting | bytes/token | x bf16 | recall | exact | rel. ppl | KL |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ref = next(r for r in _rows(table, context) if r["family"] == "bf16")["bytes_per_token"]
     for r in _rows(table, context):
