@@ -1,0 +1,308 @@
+"""What each cache scheme costs in quality, measured on the trained quality model.
+
+For every scheme of the grid and every context length, in one run:
+  - recall: teacher-forced top-1 accuracy on the answer letters of associative-recall queries
+    (pairs defined right after BOS, corpus text, then one query per pair at the end of the
+    context; the context up to the first query is prefilled in chunks, then each query with its
+    answer is one block through the cache); recall_exact: all three letters right;
+  - rel_ppl: perplexity on held-out corpus text divided by bf16's, and kl: the mean
+    KL(bf16 || scheme) of the next-token distributions, both over the positions after the
+    first prefill chunk (the text is prefilled in chunks of ``--chunk`` tokens);
+  - bytes_per_token: the caches' own ``nbytes`` summed over layers once the ``context`` text
+    tokens are in (the last one as a decode step), divided by batch rows and ``context`` (held
+    bytes: an eviction cache or a window holds at most its budget); ``marginal_bytes_per_token``
+    sums ``bytes_per_token()``, what one more token costs.
+
+Eviction budgets at or above the context evict nothing and are not run at that context.
+
+Usage:
+  python benchmarks/quality.py [--contexts 512 2048] [--jobs 2] [--out benchmarks/results/quality.json]
+                               [--plot docs/img]
+  python benchmarks/quality.py --reduced        # the CI grid, seconds
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+import quality_data as data  # benchmarks/ is on sys.path: the script's folder, or the test's insert
+import quality_model
+
+import mlxkv
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "results", "quality.json")
+
+KV_BITS = (2, 4, 8)
+TURBO_PAIRS = ((2, 2), (4, 2), (4, 4), (8, 3), (8, 8))
+BUDGETS = (64, 128, 256, 512, 1024)
+SINKS = 4
+FAMILIES = ("bf16", "kv", "turbo", "tova", "qfilters-calibrated", "qfilters-fallback", "window")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scheme of the grid: ``family``, the ``make_cache`` scheme string, its ``setting``
+    (bits, bit pair or budget) and, for budgeted families, the ``budget``."""
+
+    family: str
+    scheme: str
+    setting: str
+    budget: int | None = None
+
+    def caches(self, model, calibration=None) -> list:
+        if self.family == "window":
+            return mlxkv.make_cache(model, "bf16", max_kv_size=self.budget)
+        if self.family == "qfilters-calibrated":
+            return mlxkv.make_cache(model, self.scheme, qfilters_calibration=calibration)
+        return mlxkv.make_cache(model, self.scheme)
+
+
+def qfilters_scheme(budget: int) -> str:
+    """Q-Filters with 4 sinks and a trailing window of a quarter of the budget."""
+    return f"qfilters-b{budget}-s{SINKS}-r{budget // 4}"
+
+
+def grid(reduced: bool = False) -> list[Case]:
+    kv_bits, pairs, budgets = ((4, 8), ((8, 3),), (64,)) if reduced else (KV_BITS, TURBO_PAIRS, BUDGETS)
+    cases = [Case("bf16", "bf16", "bf16")]
+    cases += [Case("kv", f"kv{b}", f"{b}-bit") for b in kv_bits]
+    cases += [Case("turbo", f"turbo-k{k}v{v}", f"k{k}v{v}") for k, v in pairs]
+    for b in budgets:
+        cases.append(Case("tova", f"tova-b{b}-s{SINKS}", str(b), b))
+        cases.append(Case("qfilters-calibrated", qfilters_scheme(b), str(b), b))
+        cases.append(Case("qfilters-fallback", qfilters_scheme(b), str(b), b))
+        cases.append(Case("window", f"bf16 max_kv_size={b}", str(b), b))
+    return cases
+
+
+# -- measurements -------------------------------------------------------------------------
+
+
+def _eval_caches(caches):
+    mx.eval([c.state for c in caches])
+
+
+def prefill_logprobs(model, caches, tokens: mx.array, chunk: int) -> mx.array:
+    """Log-probabilities [B, L, V] (float32): tokens ``0 .. L-2`` prefilled in chunks of
+    ``chunk``, the last token appended as a decode step, so the caches end in the state a
+    generation sees (a rotating window drops the extra rows a multi-token block leaves)."""
+    L = tokens.shape[1]
+    bounds = [(i, min(i + chunk, L - 1)) for i in range(0, L - 1, chunk)] + [(L - 1, L)]
+    out = []
+    for a, b in bounds:
+        logits = model(tokens[:, a:b], cache=caches).astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(lp)
+        _eval_caches(caches)
+        out.append(lp)
+    return mx.concatenate(out, axis=1)
+
+
+def text_scores(lp: mx.array, ref_lp: mx.array, tokens: mx.array, first: int):
+    """(mean NLL, mean KL(ref || lp)) over predictions made at positions ``first .. L-2``."""
+    lp, ref = lp[:, first:-1], ref_lp[:, first:-1]
+    nll = -mx.take_along_axis(lp, tokens[:, first + 1 :, None], axis=-1)
+    kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
+    return float(mx.mean(nll).item()), float(mx.mean(kl).item())
+
+
+def recall_accuracy(model, caches, batch: data.RecallBatch, chunk: int) -> tuple:
+    """(per-token, exact) teacher-forced top-1 accuracy on the answers.
+
+    The context before the first query is prefilled in chunks; then each query with its
+    answer (``ASK K1 K2 v1 v2 v3``) is one block through the cache, and the arg-max after
+    ``K2``, ``v1`` and ``v2`` is compared with ``v1``, ``v2``, ``v3``. Per-token: the fraction
+    of answer letters right; exact: the fraction of queries with all three right."""
+    tokens = mx.array(batch.tokens)
+    for i in range(0, batch.prefix, chunk):
+        model(tokens[:, i : min(i + chunk, batch.prefix)], cache=caches)
+        _eval_caches(caches)
+    hits = []
+    for q in range(batch.n_queries):
+        start = batch.prefix + q * data.ITEM_LEN
+        block = tokens[:, start : start + data.ITEM_LEN]
+        pred = mx.argmax(model(block, cache=caches)[:, data.PROMPT_LEN - 1 : -1], axis=-1)
+        hits.append(np.array(pred == block[:, data.PROMPT_LEN :]))
+    hits = np.stack(hits, axis=1)  # [B, Q, VALUE_LEN]
+    return float(hits.mean()), float(hits.all(axis=-1).mean())
+
+
+def held_bytes(caches) -> int:
+    return int(sum(c.nbytes for c in caches))
+
+
+def marginal_bytes(caches) -> int:
+    return int(sum(c.bytes_per_token() for c in caches))
+
+
+def calibrate(model, reduced: bool):
+    """Q-Filters calibration on training-split sequences (a fixed seed, not the eval text)."""
+    from mlxkv.caches.qfilters_calibration import calibrate as qf_calibrate
+
+    n, length = (2, 256) if reduced else (4, 1024)
+    x, _, _ = data.training_batch(np.random.default_rng(1234), n, length, data.corpus_split("train"))
+    return qf_calibrate(model, [mx.array(x)], model_id=model.mlxkv_model_id, dataset="quality train split")
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    contexts: tuple = (512, 2048)
+    chunk: int = 128
+    n_text: int = 2
+    n_recall: int = 4
+    n_pairs: int = 16
+    seed: int = 0
+
+
+REDUCED = Settings(contexts=(256,), chunk=64, n_text=2, n_recall=4, n_pairs=8)
+
+
+def measure(model, cases: list[Case], settings: Settings, calibration=None, log: Callable = print) -> list:
+    """One row per case and context; ``cases[0]`` must be bf16 (the reference)."""
+    if cases[0].family != "bf16":
+        raise ValueError("the first case must be bf16: the reference")
+    text = data.corpus_split("eval")
+    rows = []
+    for L in settings.contexts:
+        tokens = mx.array(data.text_batch(settings.n_text, L, text))
+        recall = data.recall_batch(settings.seed + L, settings.n_recall, L, settings.n_pairs, text)
+        ref_lp = ref_nll = None
+        for case in cases:
+            if case.budget is not None and case.budget >= L:
+                continue
+            t0 = time.perf_counter()
+            caches = case.caches(model, calibration)
+            lp = prefill_logprobs(model, caches, tokens, settings.chunk)
+            ref_lp = lp if ref_lp is None else ref_lp
+            nll, kl = text_scores(lp, ref_lp, tokens, settings.chunk)
+            ref_nll = nll if ref_nll is None else ref_nll
+            row = {
+                **asdict(case),
+                "context": L,
+                "bytes_per_token": held_bytes(caches) / (settings.n_text * L),
+                "marginal_bytes_per_token": marginal_bytes(caches),
+                "ppl": math.exp(nll),
+                "rel_ppl": math.exp(nll - ref_nll),
+                "kl": kl,
+                "seconds": 0.0,
+            }
+            row["recall"], row["recall_exact"] = recall_accuracy(
+                model, case.caches(model, calibration), recall, settings.chunk
+            )
+            row["seconds"] = round(time.perf_counter() - t0, 2)
+            rows.append(row)
+            log(
+                f"L={L:5d} {case.family:20s} {case.setting:6s} B/tok {row['bytes_per_token']:8.1f} "
+                f"recall {row['recall']:.3f} rel_ppl {row['rel_ppl']:.4f} kl {row['kl']:.2e} {row['seconds']:.1f}s"
+            )
+    return rows
+
+
+def _measure_in_process(reduced: bool, settings: Settings, cases: list[Case], model_dir) -> list:
+    model = quality_model.load(model_dir)
+    calibration = calibrate(model, reduced)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return measure(model, cases, settings, calibration, log=lambda s: print(s, flush=True))
+
+
+def run(
+    reduced: bool = False,
+    settings: Settings | None = None,
+    log: Callable = print,
+    model_dir=quality_model.MODEL_DIR,
+    jobs: int = 1,
+) -> dict:
+    """Load the quality model, calibrate Q-Filters, evaluate the grid (reduced: the CI grid)
+    and return the JSON table. ``jobs`` > 1 splits the grid over that many processes (each
+    runs the bf16 reference itself; the arithmetic is the same as in one process)."""
+    settings = settings or (REDUCED if reduced else Settings())
+    cases = grid(reduced)
+    t0 = time.perf_counter()
+    if jobs <= 1:
+        model = quality_model.load(model_dir)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = measure(model, cases, settings, calibrate(model, reduced), log)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        shares = [[cases[0]] + cases[1 + i :: jobs] for i in range(jobs)]
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_measure_in_process, [reduced] * jobs, [settings] * jobs, shares, [model_dir] * jobs))
+        order = {c: i for i, c in enumerate(cases)}
+        seen, rows = set(), []
+        for r in sorted(
+            (r for part in parts for r in part),
+            key=lambda r: (r["context"], order[Case(r["family"], r["scheme"], r["setting"], r["budget"])]),
+        ):
+            key = (r["context"], r["family"], r["setting"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    return {
+        "model": quality_model.model_id(model_dir),
+        "config": quality_model.config(model_dir),
+        "corpus": data.CORPUS_NAME,
+        "corpus_sha256": data.corpus_sha256(),
+        "settings": {
+            **asdict(settings),
+            "queries_per_context": settings.n_recall * settings.n_pairs,
+            "sinks": SINKS,
+            "qfilters_recent": "budget // 4",
+            "scored_positions": "chunk .. context-2",
+            "jobs": jobs,
+        },
+        "chance": {"recall": 1 / len(data.ALPHABET), "recall_exact": len(data.ALPHABET) ** -data.VALUE_LEN},
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reduced", action="store_true", help="the reduced CI grid")
+    ap.add_argument("--contexts", type=int, nargs="+")
+    ap.add_argument("--chunk", type=int)
+    ap.add_argument("--n-text", type=int)
+    ap.add_argument("--n-recall", type=int)
+    ap.add_argument("--jobs", type=int, default=1, help="processes to split the grid over")
+    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--plot", metavar="DIR", help="also write PNG plots there (needs matplotlib)")
+    args = ap.parse_args(argv)
+    settings = REDUCED if args.reduced else Settings()
+    overrides = {
+        "contexts": tuple(args.contexts) if args.contexts else None,
+        "chunk": args.chunk,
+        "n_text": args.n_text,
+        "n_recall": args.n_recall,
+    }
+    settings = Settings(**{**asdict(settings), **{k: v for k, v in overrides.items() if v is not None}})
+    table = run(args.reduced, settings, log=lambda s: print(s, flush=True), jobs=args.jobs)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(table, f, indent=1)
+    print(f"wrote {args.out} ({len(table['rows'])} rows, {table['seconds']} s)")
+    if args.plot:
+        import quality_plot
+
+        for path in quality_plot.plot_all(table, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
