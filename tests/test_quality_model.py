@@ -78,6 +78,8 @@ def test_committed_weights_are_the_recorded_run(model):
     assert n == record["parameters"]
     assert all(v.dtype == mx.bfloat16 for _, v in tree_flatten(model.parameters()))
     assert record["corpus"] == data.CORPUS_NAME
+    shipped = sum(p.stat().st_size for p in quality_model.MODEL_DIR.iterdir())
+    assert shipped < 2_000_000, f"the shipped model takes {shipped} bytes"
 
 
 def test_bf16_recall_beats_chance_at_full_context(model):
