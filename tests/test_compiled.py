@@ -24,7 +24,7 @@ def _same(x, y):
 
 @pytest.mark.parametrize(
     "make",
-    [mlxkv.KVCache, lambda: mlxkv.QuantizedKVCache(32, 4), lambda: mlxkv.TurboQuantKVCache(8, 3)],
+    [mlxkv.KVCache, lambda: mlxkv.QuantizedKVCache(32, 4), lambda: mlxkv.TurboQuantKVCache(8, 3, deferred=False)],
     ids=["plain", "affine", "turbo"],
 )
 def test_compiled_step_joins_the_window_the_ordinary_read_sees(make):
@@ -45,11 +45,14 @@ def test_compiled_step_joins_the_window_the_ordinary_read_sees(make):
 
 
 def test_bf16_first_cache_converts_before_its_slot():
-    cache = parse_scheme("turbo-k8v3").build(0, {})
+    cache = parse_scheme("turbo-k4v2-start13").build(0, {})
     _filled(cache)
-    assert cache.kind == "kv:plain"
+    slot = decode_slot(cache)  # short of its start: the slot is the plain one
+    assert cache.kind == "kv:plain" and slot.prefix_keys.shape[2] == 12
+    k = mx.zeros((1, 2, 1, 64), mx.bfloat16)
+    mx.eval(slot.commit((k, k)))  # the commit reaches 13 behind the wrapper's back
     slot = decode_slot(cache)  # the conversion is due: the slot is TurboQuant's
-    assert cache.kind == "kv:turboquant:8:3" and slot.prefix_keys.shape[2] == 12
+    assert cache.kind == "kv:turboquant:4:2" and slot.prefix_keys.shape[2] == 13
 
 
 def test_kinds_without_a_slot_are_named():

@@ -148,7 +148,7 @@ def test_update_and_fetch_returns_the_decoded_window_in_the_input_dtype():
 def test_deferred_read_agrees_with_the_eager_read(kb, vb):
     k, v = kv(24, d=128)
     q = mx.random.normal((1, 4, 24, 128), key=mx.random.key(7))
-    eager, deferred = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, deferred=True)
+    eager, deferred = TurboQuantKVCache(kb, vb, deferred=False), TurboQuantKVCache(kb, vb)
     ra, rb = eager.append_window(k, v), deferred.append_window(k, v)
     assert ra.finish is None and rb.finish is not None
     assert not mx.allclose(rb.values, ra.values, atol=1e-2).item()  # the values really stay rotated
@@ -261,17 +261,17 @@ def test_from_cache_encodes_the_live_window_once_and_consumes_the_source():
         TurboQuantKVCache.from_cache(mlxkv.RotatingKVCache(8), 8, 3)
 
 
-def test_bf16_first_turbo_converts_after_the_first_append(models):
+def test_bf16_first_turbo_converts_at_the_end_of_the_first_append(models):
     model = models("llama")
     caches, plain = make_cache(model, "turbo-k8v3"), make_cache(model, "bf16")
     p = prompt(12)
     assert mx.array_equal(run(model, caches, p), run(model, plain, p))  # attended in bf16
-    assert caches[0].kind == "kv:plain" and caches[0].pending_conversion == {"scheme": "turbo-k8v3", "start": 0}
-    greedy(model, caches, 3, 1)
+    # mlx-bun's rule: the append that reaches start (0: the first) converts before it returns
     assert caches[0].kind == "kv:turboquant:8:3" and caches[0].pending_conversion is None
-    assert caches[0].minimum_reusable_offset == 0 and caches[0].offset == 13
-    assert not hasattr(caches[0], "bits") and caches[0].bytes_per_token() == 200
+    assert caches[0].minimum_reusable_offset == 0 and caches[0].offset == 12
     inner = caches[0].inner
+    greedy(model, caches, 3, 1)
+    assert caches[0].offset == 13 and not hasattr(caches[0], "bits") and caches[0].bytes_per_token() == 200
     greedy(model, caches, 3, 2)
     assert caches[0].inner is inner  # converted once
 
@@ -280,11 +280,10 @@ def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
     model = models("llama")
     caches = make_cache(model, "turbo-k4v2-start16")
     run(model, caches, prompt(10))
-    run(model, caches, prompt(8, seed=2))  # reaches 16: still attended in bf16
     assert caches[0].kind == "kv:plain" and caches[0].minimum_reusable_offset == 0
-    greedy(model, caches, 3, 1)
+    run(model, caches, prompt(8, seed=2))  # reaches 16: attended in bf16, then converted
     assert caches[0].kind == "kv:turboquant:4:2"
-    assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 19
+    assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 18
 
 
 # -- compiled decode: the concat slot ---------------------------------------------------

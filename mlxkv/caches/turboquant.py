@@ -7,12 +7,13 @@ Storage is the five arrays of the vLLM-Metal reference encode (``mlxkv.math.turb
 
 Reads:
 
-- eager (``update_and_fetch``, and the named reads by default): keys and values decoded;
-  every mlx-lm attention site stays correct, so this is what ``update_and_fetch`` returns;
-- deferred (``deferred=True``, or ``append_decode(k, v, deferred=True)``): values stay in
-  the rotated domain (no inverse Hadamard over the T stored rows) and the read's ``finish``
-  un-rotates the attention output once, O(L d log d) instead of O(T d log d). Valid because
-  attention is linear in V and the rotation is the same for every position and head.
+- eager (``update_and_fetch``, or ``deferred=False``): keys and values decoded; every mlx-lm
+  attention site stays correct, so this is what ``update_and_fetch`` always returns;
+- deferred (the named reads by default, as mlx-bun reads; per call ``deferred=``): values
+  stay in the rotated domain (no inverse Hadamard over the T stored rows) and the read's
+  ``finish`` un-rotates the attention output once, O(L d log d) instead of O(T d log d).
+  Valid because attention is linear in V and the rotation is the same for every position
+  and head.
 
 Compiled decode is a concat slot (docs/turboquant.md): ``prepare_decode_step()`` decodes the
 stored prefix outside the compiled graph; ``slot.step`` is a pure function (compile it with
@@ -32,7 +33,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheConfigError, MLXKVError
 from ..math import turboquant as tq
-from .base import CacheContract
+from .base import CacheContract, DtypeAttribute
 from .decode_slot import DecodeSlot
 from .reads import AttentionRead
 from .scheme import Scheme
@@ -69,8 +70,9 @@ def decode_step_function(k_bits: int, v_bits: int, rotated: bool, dtype) -> Call
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     step = 256
+    dtype = DtypeAttribute()  # the dtype dense_window decodes to (the last append's)
 
-    def __init__(self, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, head_dim: int | None = None):
+    def __init__(self, k_bits: int = 8, v_bits: int = 3, deferred: bool = True, head_dim: int | None = None):
         tq.check_bits(k_bits, v_bits)
         if head_dim is not None:
             tq.check_head_dim(head_dim)
@@ -79,7 +81,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         self.head_dim = head_dim
         self.offset = 0
         self.storage = None  # [kIdx, kScales, kZeros, vPacked, vScales], capacity rows each
-        self.dtype = mx.bfloat16  # the dtype dense_window decodes to (the last append's)
+        self.dtype = mx.bfloat16
 
     @property
     def kind(self) -> str:
@@ -236,7 +238,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     # -- conversion and restore ---------------------------------------------------------
 
     @classmethod
-    def from_cache(cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = False) -> "TurboQuantKVCache":
+    def from_cache(cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = True) -> "TurboQuantKVCache":
         """Encode a plain cache's live window once; ``offset``, ``minimum_reusable_offset``
         and ``masks`` carry over and the source is consumed (its arrays are released)."""
         if getattr(source, "kind", None) != "kv:plain":
@@ -287,7 +289,7 @@ def turbo_scheme(m, opts):
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 
     def build(i, o):
-        deferred = bool(o.get("deferred", False))
+        deferred = bool(o.get("deferred", True))
         pending = PendingConversion(
             f"turbo-k{k_bits}v{v_bits}",
             start,
