@@ -14,6 +14,9 @@ from .caches.rows import (
     filter_rows,
     merge_model_rows,
     merge_rows,
+    projected_bytes,
+    trim_model_rows,
+    trim_rows,
 )
 from .caches.schemes import make_cache
 from .caches.tova import TOVAKVCache
@@ -81,6 +84,7 @@ __all__ = [
     "make_cache",
     "merge_model_rows",
     "merge_rows",
+    "projected_bytes",
     "MLXKVError",
     "QFiltersKVCache",
     "QuantizedKVCache",
@@ -99,6 +103,8 @@ __all__ = [
     "SnapshotError",
     "SnapshotWriteError",
     "TOVAKVCache",
+    "trim_model_rows",
+    "trim_rows",
     "TurboQuantKVCache",
     "UnknownKindError",
     "unregister_family",
