@@ -19,7 +19,6 @@ from mlxkv.caches.schemes import make_cache
 from mlxkv.seeded import prompt, tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-SCHEMES = ["bf16", "kv4", "kv8-g32", "kv4-start16", "turbo-k8v3", "turbo-k4v2-start16", "tova-b32-s4", "qfilters-b32-s4-r8"]
 
 
 def stored(cache):
@@ -31,8 +30,10 @@ def stored(cache):
         return [] if cache.storage is None else [a[..., : cache.offset, :] for a in cache.storage]
     if hasattr(cache, "_temporal_order"):
         flat = lambda x: list(x) if isinstance(x, (tuple, list)) else [x]
-        return [] if cache.keys is None else flat(cache._temporal_order(cache.keys)) + flat(
-            cache._temporal_order(cache.values)
+        return (
+            []
+            if cache.keys is None
+            else flat(cache._temporal_order(cache.keys)) + flat(cache._temporal_order(cache.values))
         )
     out = []
     n = cache.keys.shape[2] if hasattr(cache, "positions") and cache.keys is not None else cache.offset
@@ -152,7 +153,9 @@ def _snapshot_arrays(caches):
     return flat
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "kv4", "kv4-start16", "turbo-k8v3", "turbo-k4v2-start16", "qfilters-b32-s4-r8"])
+@pytest.mark.parametrize(
+    "scheme", ["bf16", "kv4", "kv4-start16", "turbo-k8v3", "turbo-k4v2-start16", "qfilters-b32-s4-r8"][:6]
+)
 def test_deepcopy_gives_independent_serial_and_batched_caches(models, scheme):
     model = models("hybrid")
     fresh = make_cache(model, scheme)
@@ -190,8 +193,7 @@ def _batch_arrays(b):
 
 def _state(batch):
     return [
-        (b.kind, b.offset.tolist(), [np.array(a.astype(mx.float32)).tobytes() for a in _batch_arrays(b)])
-        for b in batch
+        (b.kind, b.offset.tolist(), [np.array(a.astype(mx.float32)).tobytes() for a in _batch_arrays(b)]) for b in batch
     ]
 
 

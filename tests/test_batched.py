@@ -281,7 +281,8 @@ def test_bf16_first_rows_join_before_their_start(models):
     assert early[0].kind == "kv:quant:4:64" and early[0].minimum_reusable_offset == 8
     for row, twin in zip((mlxkv.extract_model_row(batch, 0), mlxkv.extract_model_row(batch, 1)), (early, due)):
         assert row[0].kind == twin[0].kind and row[0].minimum_reusable_offset == twin[0].minimum_reusable_offset
-        assert all(mx.array_equal(a, b[..., : a.shape[2], :]) for a, b in zip(_arrays(row[0].inner), _arrays(twin[0].inner)))
+        pairs = zip(_arrays(row[0].inner), _arrays(twin[0].inner))
+        assert all(mx.array_equal(a, b[..., : a.shape[2], :]) for a, b in pairs)
 
 
 def test_one_mask_per_forward_shared_with_the_rows(models):

@@ -411,7 +411,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
                 f"to {mine.scheme} at {mine.start}"
             )
         if self._remaining is not None or other._remaining is not None:
-            raise MLXKVError(f"{self.kind}: rows cannot join or leave in the middle of a padded prefill (finalize first)")
+            raise MLXKVError(f"{self.kind}: rows cannot join in the middle of a padded prefill (finalize first)")
 
     def extend_rows(self, other: "BatchedKVCache"):
         """Join ``other``'s rows after ours (in place): the shorter side is left-padded."""

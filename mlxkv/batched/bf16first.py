@@ -129,4 +129,3 @@ class Bf16Rows:
             return row
         cut = lambda a: mx.contiguous(a[j : j + 1, :, idx - count : idx, :])
         return row.adopt(cut(self.keys), cut(self.values), offset)
-
