@@ -154,7 +154,7 @@ def _snapshot_arrays(caches):
 
 
 @pytest.mark.parametrize(
-    "scheme", ["bf16", "kv4", "kv4-start16", "turbo-k8v3", "turbo-k4v2-start16", "qfilters-b32-s4-r8"][:6]
+    "scheme", ["bf16", "kv4", "kv4-start16", "turbo-k8v3", "turbo-k4v2-start16", "qfilters-b32-s4-r8"]
 )
 def test_deepcopy_gives_independent_serial_and_batched_caches(models, scheme):
     model = models("hybrid")
