@@ -144,7 +144,7 @@ def stack_left_padded(parts: list[Sequence[mx.array]], counts: Sequence[int], wi
         pad = mx.full((1, ref.shape[1], 1, *ref.shape[3:]), fill, ref.dtype)
         flat = mx.concatenate([pad] + [p[i] for p in parts], axis=2)[0]  # [H, 1 + sum, X]
         g = mx.take(flat, src, axis=1).reshape(ref.shape[1], B, width, *ref.shape[3:])
-        out.append(mx.swapaxes(g, 0, 1))
+        out.append(mx.contiguous(mx.swapaxes(g, 0, 1)))  # rows outermost, as attention reads them
     return tuple(out)
 
 
