@@ -63,7 +63,7 @@ class RowFormat:
         if plains:
             idx = np.array(sorted(plains), dtype=np.int64)
             counts = np.array([plains[i].offset for i in idx], dtype=np.int64)
-            width = batch.capacity or batch.cols.idx + batch.step
+            width = batch.capacity or round_up(batch.cols.idx + 1, batch.step)
             batch.bf16 = Bf16Rows.merge(idx, [plains[i] for i in idx], counts, batch.cols.idx, width)
             batch._window_affine = False
         return batch
@@ -167,7 +167,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
         pack = None
         if cols.idx + N > self.capacity:
             packed = packed_columns(counts)
-            pack = (cols, packed.idx + N + self.step)
+            pack = (cols, round_up(packed.idx + N, self.step))
             cols = packed
         return _Plan(Columns(cols.s, cols.e, cols.w, cols.idx + N), counts, cols.lo, pack)
 
@@ -296,7 +296,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
             return self.nbytes
         counts = np.concatenate([self.cols.counts, np.asarray(rows, dtype=np.int64)]) + tokens
         stored = np.minimum(counts, self._stored_limit())
-        width = int(stored.max(initial=0)) + self.step
+        width = round_up(int(stored.max(initial=0)) + 1, self.step)
         total = per_column * len(counts) * width
         if self.pending is not None:
             offsets = np.concatenate([self.offsets, np.asarray(rows, dtype=np.int64)]) + tokens
@@ -417,17 +417,19 @@ class BatchedKVCache(RowOffsets, CacheContract):
         """Join ``other``'s rows after ours (in place): the shorter side is left-padded."""
         self._compatible(other)
         T = max(self.cols.idx, other.cols.idx)
+        slack = max(c.capacity - c.cols.idx for c in (self, other))  # the next appends write in place
         st = self.fmt.storage
         like = self if self.keys is not None else other
 
         def widened(c, t, like_t, fills):
-            """``c``'s arrays ``t`` left-padded to T columns (all padding when it stores nothing)."""
+            """``c``'s arrays ``t`` left-padded to T columns plus the slack (all padding when it
+            stores nothing)."""
             if t is None:
-                shape = lambda a: (c.batch_size, a.shape[1], T, *a.shape[3:])
+                shape = lambda a: (c.batch_size, a.shape[1], T + slack, *a.shape[3:])
                 return tuple(mx.full(shape(a), f, a.dtype) for a, f in zip(like_t, fills))
             d = T - c.cols.idx
             return tuple(
-                mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, 0), (0, 0)], constant_values=f)
+                mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, slack), (0, 0)], constant_values=f)
                 for a, f in zip(t, fills)
             )
 
@@ -439,7 +441,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
             else:
                 keys = widened(c, c.keys, like.keys, st.key_fills)
                 sides.append((keys, widened(c, c.values, like.values, st.value_fills), cols))
-        bf16 = _joined_bf16(self, other, T)
+        bf16 = _joined_bf16(self, other, T, slack)
         if like.keys is not None:
             self.keys = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
             self.values = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))
@@ -457,7 +459,8 @@ class BatchedKVCache(RowOffsets, CacheContract):
         return self
 
     def filter_rows(self, keep):
-        """Keep rows ``keep`` (in that order), packed: padding common to all survivors goes."""
+        """Keep rows ``keep`` (in that order): one take along the rows; the columns left of
+        every survivor's first position go, the others (and the slack) stay where they are."""
         keep = np.asarray(keep, dtype=np.int64).reshape(-1)
         if self._remaining is not None:
             raise MLXKVError(f"{self.kind}: rows cannot leave in the middle of a padded prefill (finalize first)")
@@ -465,23 +468,17 @@ class BatchedKVCache(RowOffsets, CacheContract):
             check_row(int(i), self.batch_size)
         keep = keep % max(self.batch_size, 1)
         cols = self.cols.take(keep)
-        width = int(cols.counts.max(initial=0))
-        st = self.fmt.storage
-        bf16 = None if self.bf16 is None else self.bf16.take(keep, self.cols, width)
-        if self.keys is not None and width > 0:
-            src, valid = source_columns(self.cols, keep, width)
-            self.keys = gather_columns(self.keys, keep, src, valid, st.key_fills)
-            self.values = gather_columns(self.values, keep, src, valid, st.value_fills)
-        else:  # nothing stored in any survivor: the next append reallocates
-            self.keys = self.values = None
-            if bf16 is not None:
-                bf16 = Bf16Rows(bf16.rows)
-        self.cols = packed_columns(cols.counts)
+        shift = cols.lo
+        if self.keys is not None:
+            rows = mx.array(keep.astype(np.int32))
+            self.keys = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.keys)
+            self.values = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.values)
+        self.bf16 = None if self.bf16 is None else self.bf16.taken(keep, shift)
+        self.cols = cols.shifted(-shift)
         self._set_offsets(self.offsets[keep])
         self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]
         self.row_state = {k: _take_rows(v, keep) for k, v in self.row_state.items()}
-        self.bf16 = bf16
-        self._window_affine = st.affine and bf16 is None
+        self._window_affine = self.fmt.storage.affine and self.bf16 is None
         return self
 
     def extract_row(self, i: int):
@@ -521,20 +518,24 @@ class BatchedKVCache(RowOffsets, CacheContract):
         return self.extract_row(idx)
 
 
-def _joined_bf16(a: BatchedKVCache, b: BatchedKVCache, T: int) -> Bf16Rows | None:
-    """The side store of ``a`` joined by ``b``'s rows, both left-padded to T columns as the
-    batch's arrays are."""
+def _joined_bf16(a: BatchedKVCache, b: BatchedKVCache, T: int, slack: int) -> Bf16Rows | None:
+    """The side store of ``a`` joined by ``b``'s rows, both left-padded to T columns plus the
+    slack, as the batch's arrays are."""
     sides = [(c, c.bf16) for c in (a, b) if c.bf16 is not None]
     if not sides:
         return None
     rows = np.concatenate([side.rows + (0 if c is a else a.batch_size) for c, side in sides])
-    arrays = [side.widened(T - c.cols.idx, T) for c, side in sides]
+    arrays = [side.widened(T - c.cols.idx, c.cols.idx, slack) for c, side in sides]
     ref = next((x for x in arrays if x is not None), None)
     if ref is None:
         return Bf16Rows(rows)
-    blank = lambda n: mx.zeros((n, ref[0].shape[1], T, ref[0].shape[3]), ref[0].dtype)
+    blank = lambda n: mx.zeros((n, ref[0].shape[1], T + slack, ref[0].shape[3]), ref[0].dtype)
     parts = [x if x is not None else (blank(len(side)), blank(len(side))) for (_, side), x in zip(sides, arrays)]
     return Bf16Rows(rows, mx.concatenate([p[0] for p in parts]), mx.concatenate([p[1] for p in parts]))
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def _concat_rows(a, b):
@@ -567,7 +568,7 @@ def merge_attention_rows(fmt, rows, cls=BatchedKVCache):
                     f"{fmt.serial_kind} rows with different head geometry or dtype cannot share a batch: "
                     f"{tuple(ref.shape)} {ref.dtype} vs {tuple(k[0].shape)} {k[0].dtype}"
                 )
-        width = cols.idx + cls.step
+        width = round_up(cols.idx + 1, cls.step)
         empty = lambda t: tuple(a[..., :0, :] for a in t)
         ks = [k if c > 0 else empty(full[0][0]) for k, _, c, _ in read]
         vs = [v if c > 0 else empty(full[0][1]) for _, v, c, _ in read]

@@ -90,17 +90,18 @@ class Bf16Rows:
         return keys, values
 
     # -- row surgery ------------------------------------------------------------------------
-    def take(self, keep: np.ndarray, cols: Columns, width: int) -> "Bf16Rows | None":
-        """The side store after ``filter_rows(keep)`` (None when no survivor is bf16)."""
+    def taken(self, keep: np.ndarray, shift: int) -> "Bf16Rows | None":
+        """The side store after the batch keeps rows ``keep`` and drops its first ``shift``
+        columns (None when no survivor is bf16)."""
         where = {int(r): j for j, r in enumerate(self.rows)}
         new_rows = np.array([j for j, r in enumerate(keep) if int(r) in where], dtype=np.int64)
         if not len(new_rows):
             return None
-        own = np.array([where[int(keep[j])] for j in new_rows], dtype=np.int64)
         out = Bf16Rows(new_rows)
-        if self.keys is not None and width > 0:
-            src, valid = source_columns(cols, keep[new_rows], width, end=width)
-            out.keys, out.values = (gather_columns((a,), own, src, valid)[0] for a in (self.keys, self.values))
+        if self.keys is not None:
+            own = mx.array(np.array([where[int(keep[j])] for j in new_rows], dtype=np.int32))
+            out.keys = mx.take(self.keys, own, axis=0)[..., shift:, :]
+            out.values = mx.take(self.values, own, axis=0)[..., shift:, :]
         return out
 
     def without(self, leaving: np.ndarray) -> "Bf16Rows | None":
@@ -114,11 +115,12 @@ class Bf16Rows:
             out.keys, out.values = mx.take(self.keys, sel, axis=0), mx.take(self.values, sel, axis=0)
         return out
 
-    def widened(self, left: int, T: int) -> tuple[mx.array, mx.array] | None:
-        """Arrays left-padded by ``left`` columns and cut to ``T`` (a batch joining another)."""
+    def widened(self, left: int, idx: int, slack: int) -> tuple[mx.array, mx.array] | None:
+        """Arrays cut to ``idx`` columns, left-padded by ``left`` and right-padded by ``slack``
+        (a batch joining another)."""
         if self.keys is None:
             return None
-        pad = lambda a: mx.pad(a[..., : T - left, :], [(0, 0), (0, 0), (left, 0), (0, 0)])
+        pad = lambda a: mx.pad(a[..., :idx, :], [(0, 0), (0, 0), (left, slack), (0, 0)])
         return pad(self.keys), pad(self.values)
 
     def extract(self, i: int, count: int, idx: int, offset: int) -> KVCache:
