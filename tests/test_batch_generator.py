@@ -117,3 +117,29 @@ def test_mlx_lm_prompt_cache_stores_and_serves_mlxkv_caches(models):
     assert [c.offset for c in caches] == [30] * 4  # served a copy
     exact, rest = lru.fetch_nearest_cache("m", tokens)
     assert rest == [] and exact[0] is not caches[0] and mx.array_equal(exact[0].keys[0], caches[0].keys[0])
+
+
+def test_a_row_removed_mid_decode_comes_back_as_its_serial_caches(models):
+    """``BatchGenerator.remove(uids, return_prompt_caches=True)`` and ``prompt_cache_nbytes``."""
+    model = models("gemma3")
+    prompts = [prompt(n, seed=70 + n) for n in (9, 37)]
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+    uids = gen.insert(prompts, [50, 50], caches=[mlxkv.make_cache(model, "turbo-k4v2-start16") for _ in prompts])
+    produced = {u: [] for u in uids}
+    for _ in range(6):
+        for r in gen.next_generated():
+            produced[r.uid].append(r.token)
+    assert gen.prompt_cache_nbytes > 0
+    (caches, tokens) = gen.remove([uids[0]], return_prompt_caches=True)[uids[0]]
+    assert tokens == prompts[0] + produced[uids[0]]
+    ref = mlxkv.make_cache(model, "turbo-k4v2-start16")
+    n = len(prompts[0]) - 1
+    mx.eval(model(mx.array(tokens[:n])[None], cache=ref))  # as the engine fed them: the prompt, then one by one
+    for t in tokens[n:]:
+        model(mx.array([[t]]), cache=ref)
+    assert [c.kind for c in caches] == [c.kind for c in ref] and [c.offset for c in caches] == [c.offset for c in ref]
+    y = mx.array([[3]])
+    assert mx.array_equal(model(y, cache=caches), model(y, cache=ref))
+    rest = gen.next_generated()
+    assert {r.uid for r in rest} == {uids[1]}
+    gen.close()

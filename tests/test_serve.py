@@ -197,3 +197,23 @@ def test_the_mlxkv_serve_command(model_dir, reference):
         rest = proc.stderr.read()
         assert rc == 0, rest[-2000:]
     mx.eval(mx.zeros(1))
+
+
+def test_the_prompt_cache_follows_mlxkvs_reuse_rule(models):
+    """Never below a cache's reuse floor, never an empty prompt (mlx-lm's batch engine refuses
+    one), and a copy every time."""
+    from mlxkv.serve.prompt_cache import PromptCache
+
+    model = models("llama")
+    tokens = prompt(30, seed=5)
+    caches = mlxkv.make_cache(model, "kv4-start16")
+    mx.eval(model(mx.array(tokens[:20])[None], cache=caches))  # converts at 20: floor 20
+    mx.eval(model(mx.array(tokens[20:])[None], cache=caches))
+    store = PromptCache(max_size=4)
+    store.insert_cache("m", tokens, caches)
+    got, rest = store.fetch_nearest_cache("m", tokens)  # exact: served one token short
+    assert rest == tokens[-1:] and [c.offset for c in got] == [29] * 4 and caches[0].offset == 30
+    got, rest = store.fetch_nearest_cache("m", tokens[:24] + [7, 7])  # above the floor: trimmed
+    assert rest == [7, 7] and [c.offset for c in got] == [24] * 4
+    got, rest = store.fetch_nearest_cache("m", tokens[:12] + [7])  # below the floor: a miss
+    assert got is None and rest == tokens[:12] + [7]
