@@ -21,7 +21,7 @@ from ..caches.plain import KVCache
 from .columns import Columns, gather_columns, source_columns, stack_left_padded
 
 
-@dataclass
+@dataclass(eq=False)
 class Bf16Rows:
     """Batch rows ``rows`` (ascending) in the model's dtype: ``keys``/``values`` are
     ``[len(rows), H, capacity, D]`` over the batch's columns (None until something is stored)."""

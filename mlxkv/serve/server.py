@@ -29,7 +29,7 @@ from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..caches.schemes import make_cache, parse_scheme
-from ..errors import MLXKVError
+from ..errors import MLXKVError, SchemeError
 from .options import cache_options, mlx_lm_arguments
 from .prompt_cache import build_prompt_cache
 
@@ -51,7 +51,9 @@ class SchemeCaches:
     ``layer_template`` is the model's own ``make_cache`` (what each layer needs), or None."""
 
     def __init__(self, model, scheme: str, layer_template, **options):
-        parse_scheme(scheme, options)  # a bad scheme fails now, not at the first request
+        parsed = parse_scheme(scheme, options)  # a bad scheme fails now, not at the first request
+        if options.get("max_kv_size") is not None and parsed.ring is None:
+            raise SchemeError(f"scheme {scheme!r} has no ring form: --max-kv-size cannot be used with it")
         self.model, self.scheme, self.options = model, scheme, options
         self.layer_template = layer_template
 
@@ -209,7 +211,7 @@ def start(args, prompt_cache=None, wait: float | None = 300.0) -> Server:
     object with mlx-lm's prompt-cache interface (default: ``build_prompt_cache(args)``)."""
     cli_args = mlx_lm_arguments(args)
     options = cache_options(args)
-    parse_scheme(args.scheme, options)
+    SchemeCaches(None, args.scheme, None, **options)  # refuse a bad scheme before loading anything
     provider = SchemeModelProvider(cli_args, args.scheme, options)
     cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)
     generator = ServingResponseGenerator(provider, cache, args.max_context)
