@@ -109,7 +109,7 @@ def step_contenders(heads, q_heads, dim, context, kb, vb):
 
     plain = filled(lambda c: c)
     turbo = {
-        "eager": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb)),
+        "eager": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=False)),
         "deferred": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=True)),
         "codes": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, codes=True)),
     }

@@ -15,6 +15,9 @@ from .caches.rows import (
     filter_rows,
     merge_model_rows,
     merge_rows,
+    projected_bytes,
+    trim_model_rows,
+    trim_rows,
 )
 from .caches.schemes import make_cache
 from .caches.slots import decode_phase
@@ -100,6 +103,7 @@ __all__ = [
     "merge_model_rows",
     "merge_rows",
     "PromptStore",
+    "projected_bytes",
     "MLXKVError",
     "QFiltersKVCache",
     "QuantizedKVCache",
@@ -121,6 +125,8 @@ __all__ = [
     "SnapshotWriteError",
     "StoreCapacityError",
     "TOVAKVCache",
+    "trim_model_rows",
+    "trim_rows",
     "TurboQuantKVCache",
     "UnknownKindError",
     "UnsupportedKindError",

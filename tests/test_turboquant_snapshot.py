@@ -74,19 +74,28 @@ def test_the_file_is_plain_safetensors_with_the_stored_bytes(models, tmp_path):
     assert raw["caches.2.kIdx"].dtype == np.int8 and raw["caches.2.vScales"].dtype == np.float16
 
 
-@pytest.mark.parametrize("scheme,n", [("turbo-k8v3", 9), ("turbo-k4v2-start16", 12)])
-def test_bf16_first_saved_before_its_conversion_converts_at_the_same_position(models, tmp_path, scheme, n):
+def test_bf16_first_saved_before_its_conversion_converts_at_the_same_position(models, tmp_path):
     model = models("llama")
-    caches, tokens = make_cache(model, scheme), prompt(n)
+    caches, tokens = make_cache(model, "turbo-k4v2-start16"), prompt(12)
     run(model, caches, tokens)
     assert caches[0].kind == "kv:plain"
     path = str(tmp_path / "b.safetensors")
     header, snap = resume_matches(model, caches, tokens, path, steps=6)
     entry = header["caches"][0]
-    assert entry["kind"] == "kv" and entry["pendingConversion"]["scheme"] == scheme.split("-start")[0]
-    assert entry["pendingConversion"]["start"] == (16 if "start" in scheme else 0)
-    assert snap.caches[0].kind == caches[0].kind and caches[0].kind.startswith("kv:turboquant:")
-    assert snap.caches[0].offset == n + 6
+    assert entry["kind"] == "kv" and entry["pendingConversion"] == {"scheme": "turbo-k4v2", "start": 16}
+    assert snap.caches[0].kind == caches[0].kind == "kv:turboquant:4:2"
+    assert snap.caches[0].offset == 18 and snap.caches[0].minimum_reusable_offset == 16
+
+
+def test_a_snapshot_right_after_the_prefill_is_compact(models, tmp_path):
+    """mlx-bun's timing: turbo-k8v3 (start 0) converts at the end of the prefill, so the file
+    holds TurboQuant codes, not the bf16 prompt."""
+    model = models("llama")
+    caches, tokens = make_cache(model, "turbo-k8v3"), prompt(9)
+    run(model, caches, tokens)
+    header, snap = resume_matches(model, caches, tokens, str(tmp_path / "c.safetensors"), steps=3)
+    entry = header["caches"][0]
+    assert entry["kind"] == "turboquant" and "pendingConversion" not in entry
 
 
 def test_bf16_first_saved_after_its_conversion(models, tmp_path):

@@ -24,12 +24,28 @@ class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
         super().__init__(len(arrays))
         self.cache = list(arrays)
         self._init_rows(offsets, min_reuse)
+        self._remaining = None
         if masks is not None:
             self.masks = masks
 
+    def prepare(self, *, lengths=None, right_padding=None, left_padding=None, **_):
+        """mlx-lm's right-padded prefill: the model reads ``lengths`` to stop each row's state
+        at its own last token; the offsets advance by each row's own tokens only."""
+        if right_padding is not None and max(right_padding, default=0) > 0:
+            super().prepare(lengths=lengths)
+            self._remaining = np.asarray(lengths, dtype=np.int64).reshape(-1)
+
+    def finalize(self):
+        super().finalize()
+        self._remaining = None
+
     def advance(self, N: int):
         super().advance(N)
-        self._set_offsets(self.offsets + N)
+        real = np.full(self.batch_size, N, dtype=np.int64)
+        if getattr(self, "_remaining", None) is not None:
+            real = np.minimum(self._remaining, real)
+            self._remaining = self._remaining - real
+        self._set_offsets(self.offsets + real)
 
     def make_mask(self, N: int, **_):
         if self.left_padding is None and self.lengths is None:
@@ -44,6 +60,17 @@ class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
 
     def bytes_per_token(self) -> int:
         return 0
+
+    def projected_bytes(self, rows=(), tokens: int = 0) -> int:
+        """Recurrent state does not grow with tokens: each joining row adds one row of state."""
+        B = self.batch_size
+        return self.nbytes if B == 0 else self.nbytes + len(rows) * self.nbytes // B
+
+    def trim_rows(self, counts) -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if counts.any():
+            raise CacheConfigError(f"{self.kind}: recurrent state cannot be trimmed; nothing was trimmed")
+        return counts
 
     def dense_window(self):
         return None
@@ -64,6 +91,8 @@ class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
 
     def filter_rows(self, keep):
         keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+        for i in keep:
+            check_row(int(i), self.batch_size)
         mlx_cache.ArraysCache.filter(self, mx.array(keep.astype(np.int32)))
         self._set_offsets(self.offsets[keep])
         self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..caches.base import CacheContract, row_bytes
+from ..caches.base import CacheContract, DtypeAttribute, row_bytes
 from ..caches.reads import AttentionRead
-from ..errors import CacheConfigError
+from ..caches.transition import Bf16FirstCache
+from ..errors import CacheConfigError, MLXKVError
+from .bf16first import Bf16Rows
 from .columns import (
     Columns,
     RowOffsets,
@@ -52,6 +54,20 @@ class RowFormat:
     def merge(self, rows):
         return merge_attention_rows(self, rows, cls=self.batch_class())
 
+    def merge_bf16_first(self, rows, pending, plains: dict):
+        """A bf16-first batch: ``rows`` are every row in this format (an unconverted row as
+        its conversion would encode it), ``plains`` maps the unconverted rows' indices to
+        their plain storage (``batched.bf16first``)."""
+        batch = self.merge(rows)
+        batch.pending = pending
+        if plains:
+            idx = np.array(sorted(plains), dtype=np.int64)
+            counts = np.array([plains[i].offset for i in idx], dtype=np.int64)
+            width = batch.capacity or round_up(batch.cols.idx + 1, batch.step)
+            batch.bf16 = Bf16Rows.merge(idx, [plains[i] for i in idx], counts, batch.cols.idx, width)
+            batch._window_affine = False
+        return batch
+
     @staticmethod
     def batch_class():
         return BatchedKVCache
@@ -68,9 +84,13 @@ class _Plan:
 class BatchedKVCache(RowOffsets, CacheContract):
     """Rows of one serial attention kind; ``offset`` is the per-row position array.
 
-    ``row_state`` holds per-row extras of a format (arrays indexed by row on axis 0)."""
+    ``row_state`` holds per-row extras of a format (arrays indexed by row on axis 0).
+    ``pending`` is the conversion rule of a bf16-first batch (None otherwise) and ``bf16``
+    its rows that have not converted yet (``batched.bf16first``; None when there are none).
+    """
 
     step = 256  # slack columns allocated whenever the buffer is (re)packed
+    dtype = DtypeAttribute()
 
     def __init__(self, fmt, keys, values, cols: Columns, offsets, min_reuse, masks=None, row_state=None, dtype=None):
         self.fmt = fmt
@@ -81,9 +101,10 @@ class BatchedKVCache(RowOffsets, CacheContract):
         self.dtype = dtype
         if masks is not None:
             self.masks = masks
-        st = fmt.storage
-        if st.affine:  # mlx-lm takes its quantized SDPA on hasattr(cache, "bits")
-            self.bits, self.group_size = st.bits, st.group_size
+        self.pending = None
+        self.bf16: Bf16Rows | None = None
+        self._remaining = None  # prepare(): real tokens each row still appends in a padded prefill
+        self._window_affine = fmt.storage.affine
 
     # -- identity and position ----------------------------------------------------------
     @property
@@ -94,6 +115,49 @@ class BatchedKVCache(RowOffsets, CacheContract):
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]
 
+    # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown only while the window
+    # the batch last returned was affine triples (every row converted)
+    @property
+    def bits(self) -> int:
+        if not self._window_affine:
+            raise AttributeError("bits: this batch's last window was not affine triples")
+        return self.fmt.storage.bits
+
+    @property
+    def group_size(self) -> int:
+        if not self._window_affine:
+            raise AttributeError("group_size: this batch's last window was not affine triples")
+        return self.fmt.storage.group_size
+
+    # -- mlx-lm's right-padded prefill ----------------------------------------------------
+    def prepare(self, *, lengths=None, right_padding=None, left_padding=None):
+        """mlx-lm's batch engine right-pads prompts of different lengths: row i appends
+        ``lengths[i]`` real tokens then padding. Each append of the bracket drops every row's
+        padding columns before it returns, so rows hold (and evict, convert, report) only
+        their own tokens, and ``finalize`` has nothing left to move."""
+        if left_padding is not None and max(left_padding, default=0) > 0:
+            raise MLXKVError(
+                f"{self.kind}: left-padded prefill is not supported; pass lengths= and right_padding= "
+                "(mlx-lm's BatchGenerator does)"
+            )
+        if right_padding is not None and max(right_padding, default=0) > 0:
+            lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+            if len(lengths) != self.batch_size:
+                raise MLXKVError(f"{self.kind}: {len(lengths)} lengths for a batch of {self.batch_size} rows")
+            self._remaining = lengths
+
+    def finalize(self):
+        self._remaining = None
+
+    def _real_counts(self, N: int) -> np.ndarray:
+        """Tokens of an N-token append that are each row's own (the rest is padding)."""
+        full = np.full(self.batch_size, N, dtype=np.int64)
+        if self._remaining is None:
+            return full
+        real = np.minimum(self._remaining, full)
+        self._remaining = self._remaining - real
+        return real
+
     # -- the append plan ----------------------------------------------------------------
     def _plan(self, N: int) -> _Plan:
         cols = self.cols
@@ -103,7 +167,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
         pack = None
         if cols.idx + N > self.capacity:
             packed = packed_columns(counts)
-            pack = (cols, packed.idx + N + self.step)
+            pack = (cols, round_up(packed.idx + N, self.step))
             cols = packed
         return _Plan(Columns(cols.s, cols.e, cols.w, cols.idx + N), counts, cols.lo, pack)
 
@@ -124,40 +188,87 @@ class BatchedKVCache(RowOffsets, CacheContract):
     def _after_append(self, N: int):
         """Hook run after the new positions are stored (eviction policies)."""
 
+    def _repack(self, cols: Columns, end: int, width: int, counts=None):
+        """Every row right-aligned at column ``end`` of ``width`` columns from layout
+        ``cols`` (only each row's first ``counts`` positions when given): one gather."""
+        rows = np.arange(self.batch_size)
+        src, valid = source_columns(cols, rows, width, counts, end)
+        st = self.fmt.storage
+        self.keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
+        self.values = gather_columns(self.values, rows, src, valid, st.value_fills)
+        if self.bf16 is not None:
+            self.bf16 = self.bf16.regathered(cols, end, width, counts)
+
+    def _keep_first(self, counts: np.ndarray):
+        """Keep each row's first ``counts`` stored positions (drop its tail), repacked."""
+        if self.keys is not None:
+            end = int(counts.max(initial=0))
+            self._repack(self.cols, end, max(self.capacity, end), counts)
+        self.cols = packed_columns(counts)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         N = keys.shape[2]
         self.dtype = keys.dtype
+        real = self._real_counts(N)
         k_new, v_new = self._encode(keys, values)
         p = self._plan(N)
+        st = self.fmt.storage
         if p.pack is not None:
             src_cols, cap = p.pack
-            rows = np.arange(self.batch_size)
-            src, valid = source_columns(src_cols, rows, cap)
-            st = self.fmt.storage
             if self.keys is None:
                 full = lambda t, fills: tuple(
                     mx.full((a.shape[0], a.shape[1], cap, *a.shape[3:]), f, a.dtype) for a, f in zip(t, fills)
                 )
                 self.keys, self.values = full(k_new, st.key_fills), full(v_new, st.value_fills)
             else:
-                self.keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
-                self.values = gather_columns(self.values, rows, src, valid, st.value_fills)
+                self._repack(src_cols, p.cols.idx - N, cap)
         at = p.cols.idx - N
         for store, new in ((self.keys, k_new), (self.values, v_new)):
             for a, n in zip(store, new):
                 a[..., at : at + N, :] = n
+        if self.bf16 is not None:
+            self.bf16.write(keys, values, at, self.capacity)
         self.cols = p.cols
-        self._set_offsets(self.offsets + N)
-        window = lambda t: tuple(a[..., p.lo : p.cols.idx, :] for a in t)
-        st = self.fmt.storage
-        out = st.fetch_keys(window(self.keys), keys.dtype), st.fetch_values(window(self.values), keys.dtype)
+        self._set_offsets(self.offsets + real)
+        out = self._window(p.lo, p.cols.idx, keys.dtype)
+        if (real < N).any():  # a padded prefill: every row keeps only its own tokens
+            self._keep_first(self.cols.counts - (N - real))
         self._after_append(N)
+        self._convert_due_rows()
         return out
+
+    def _window(self, lo: int, idx: int, dtype):
+        """What the attention of this append reads: affine triples when every row is
+        converted (mlx-lm's quantized SDPA), else dense windows with each row in its own
+        precision."""
+        st = self.fmt.storage
+        cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
+        if self.bf16 is None:
+            self._window_affine = st.affine
+            return st.fetch_keys(cut(self.keys), dtype), st.fetch_values(cut(self.values), dtype)
+        self._window_affine = False
+        keys, values = st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
+        return self.bf16.overlay(keys, values, lo, idx)
+
+    def _convert_due_rows(self):
+        """bf16-first rows whose append reached their start convert (``PendingConversion``):
+        their target encoding is already stored, so they only leave the bf16 side store."""
+        if self.bf16 is None:
+            return
+        rows = self.bf16.rows
+        due = self.pending.due(self.offsets[rows])
+        if not due.any():
+            return
+        leaving = rows[due]
+        floor = self.pending.floor(self.offsets[leaving])
+        self.row_minimum_reusable_offsets[leaving] = np.maximum(self.row_minimum_reusable_offsets[leaving], floor)
+        self.bf16 = self.bf16.without(leaving)
 
     # -- contract -----------------------------------------------------------------------
     @property
     def state(self):
-        return self.keys, self.values, self.offset
+        side = () if self.bf16 is None else (self.bf16.keys, self.bf16.values)
+        return self.keys, self.values, self.offset, side
 
     def size(self) -> int:
         return int(self.cols.counts.max(initial=0))
@@ -167,34 +278,103 @@ class BatchedKVCache(RowOffsets, CacheContract):
 
     @property
     def nbytes(self) -> int:
+        side = 0 if self.bf16 is None else self.bf16.nbytes
         if self.keys is None:
-            return 0
-        return sum(a.nbytes for a in self.keys + self.values)
+            return side
+        return sum(a.nbytes for a in self.keys + self.values) + side
 
     def bytes_per_token(self) -> int:
         return 0 if self.keys is None else row_bytes(*self.keys, *self.values)
+
+    def projected_bytes(self, rows=(), tokens: int = 0) -> int:
+        """Bytes this batch will hold once rows holding ``rows`` positions each have joined
+        and every row has appended ``tokens`` more, within one allocation step (``step``
+        columns of every row) of what it will really hold. Rows still short of a bf16-first
+        start count their bf16 positions too."""
+        per_column = self._column_bytes()
+        if per_column is None:
+            return self.nbytes
+        counts = np.concatenate([self.cols.counts, np.asarray(rows, dtype=np.int64)]) + tokens
+        stored = np.minimum(counts, self._stored_limit())
+        width = round_up(int(stored.max(initial=0)) + 1, self.step)
+        total = per_column * len(counts) * width
+        if self.pending is not None:
+            offsets = np.concatenate([self.offsets, np.asarray(rows, dtype=np.int64)]) + tokens
+            total += int((~self.pending.due(offsets)).sum()) * width * self._bf16_column_bytes()
+        return total
+
+    def _stored_limit(self) -> int:
+        """Positions a row can hold after an append (rings: max_size - 1 plus the append)."""
+        return np.iinfo(np.int64).max if self.fmt.max_size is None else self.fmt.max_size
+
+    def _column_bytes(self) -> int | None:
+        """Bytes of one column of one row in the batch's storage (None before any append)."""
+        if self.keys is None:
+            return None
+        return row_bytes(*self.keys, *self.values)
+
+    def _bf16_column_bytes(self) -> int:
+        """Bytes of one column of one unconverted row (keys and values in the model dtype)."""
+        H, d = self.keys[0].shape[1], self.fmt.storage.head_dim(self.keys)
+        return 2 * H * d * (self.dtype or mx.bfloat16).size
 
     def is_trimmable(self) -> bool:
         """Plain, affine and TurboQuant rows always; ring rows while no row has wrapped."""
         return self.fmt.max_size is None or bool((self.offsets < self.fmt.max_size).all())
 
+    def _trimmable_rows(self) -> np.ndarray:
+        if self.fmt.max_size is None:
+            return np.ones(self.batch_size, dtype=bool)
+        return self.offsets < self.fmt.max_size
+
     def trim(self, n: int) -> int:
+        """Trim every row by n (at most the shortest row); mlx-lm's ``trim``."""
         if not self.is_trimmable() or self.batch_size == 0:
             return 0
         n = int(min(n, self.cols.counts.min()))
         c = self.cols
         self.cols = Columns(c.s, c.e, c.w, c.idx - n)
         self._set_offsets(self.offsets - n)
+        self._after_trim(np.full(self.batch_size, n, dtype=np.int64))
         return n
 
+    def trim_rows(self, counts) -> np.ndarray:
+        """Trim row i by ``counts[i]`` positions (speculative decoding rolls each row back by
+        its own rejected count). Every row must be able to trim that far, or nothing changes."""
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if len(counts) != self.batch_size or (counts < 0).any():
+            raise MLXKVError(f"{self.kind}: trim_rows needs {self.batch_size} counts >= 0, got {counts.tolist()}")
+        stored = self.cols.counts
+        bad = np.nonzero((counts > 0) & (~self._trimmable_rows() | (counts > stored)))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise CacheConfigError(
+                f"{self.kind}: row {i} cannot trim {int(counts[i])} positions (it stores {int(stored[i])}"
+                f"{'' if self._trimmable_rows()[i] else ' and has wrapped or evicted'}); nothing was trimmed"
+            )
+        if not counts.any():
+            return counts
+        if (counts == counts[0]).all():
+            self.trim(int(counts[0]))
+            return counts
+        self._keep_first(stored - counts)
+        self._set_offsets(self.offsets - counts)
+        self._after_trim(counts)
+        return counts
+
+    def _after_trim(self, counts: np.ndarray):
+        """Hook run after rows were trimmed by ``counts`` (Q-Filters thaws)."""
+
     def dense_window(self):
-        """All rows' stored columns, decoded, padding included (``stored_mask`` says which)."""
+        """All rows' stored columns, decoded (each row in its own precision), padding
+        included (``stored_mask`` says which)."""
         if self.keys is None or not self.cols.counts.any():
             return None
         lo, idx, st = self.cols.lo, self.cols.idx, self.fmt.storage
         cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
         dtype = self.dtype or mx.bfloat16
-        return st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
+        keys, values = st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
+        return (keys, values) if self.bf16 is None else self.bf16.overlay(keys, values, lo, idx)
 
     def read_block(self, keys: mx.array, values: mx.array) -> AttentionRead:
         """Attend each row's stored positions plus the block; padding and gaps stay hidden."""
@@ -212,7 +392,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
 
     # -- row surgery ----------------------------------------------------------------------
     def _compatible(self, other):
-        if type(other) is not type(self) or other.fmt != self.fmt:
+        if not isinstance(other, BatchedKVCache) or type(other) is not type(self) or other.fmt != self.fmt:
             raise CacheConfigError(
                 f"cannot join a {getattr(other, 'kind', type(other).__name__)} batch "
                 f"({getattr(other, 'fmt', None)}) into a {self.kind} batch ({self.fmt}): "
@@ -224,22 +404,32 @@ class BatchedKVCache(RowOffsets, CacheContract):
             and (self.keys[0].shape[1] != other.keys[0].shape[1] or self.keys[0].dtype != other.keys[0].dtype)
         ):
             raise CacheConfigError(f"{self.kind}: rows with other head geometry or dtype cannot be joined")
+        mine, theirs = self.pending, other.pending
+        if mine is not None and theirs is not None and (mine.scheme, mine.start) != (theirs.scheme, theirs.start):
+            raise CacheConfigError(
+                f"{self.kind}: rows converting to {theirs.scheme} at {theirs.start} cannot join rows converting "
+                f"to {mine.scheme} at {mine.start}"
+            )
+        if self._remaining is not None or other._remaining is not None:
+            raise MLXKVError(f"{self.kind}: rows cannot join in the middle of a padded prefill (finalize first)")
 
     def extend_rows(self, other: "BatchedKVCache"):
         """Join ``other``'s rows after ours (in place): the shorter side is left-padded."""
         self._compatible(other)
         T = max(self.cols.idx, other.cols.idx)
+        slack = max(c.capacity - c.cols.idx for c in (self, other))  # the next appends write in place
         st = self.fmt.storage
         like = self if self.keys is not None else other
 
         def widened(c, t, like_t, fills):
-            """``c``'s arrays ``t`` left-padded to T columns (all padding when it stores nothing)."""
+            """``c``'s arrays ``t`` left-padded to T columns plus the slack (all padding when it
+            stores nothing)."""
             if t is None:
-                shape = lambda a: (c.batch_size, a.shape[1], T, *a.shape[3:])
+                shape = lambda a: (c.batch_size, a.shape[1], T + slack, *a.shape[3:])
                 return tuple(mx.full(shape(a), f, a.dtype) for a, f in zip(like_t, fills))
             d = T - c.cols.idx
             return tuple(
-                mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, 0), (0, 0)], constant_values=f)
+                mx.pad(a[..., : c.cols.idx, :], [(0, 0), (0, 0), (d, slack), (0, 0)], constant_values=f)
                 for a, f in zip(t, fills)
             )
 
@@ -251,6 +441,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
             else:
                 keys = widened(c, c.keys, like.keys, st.key_fills)
                 sides.append((keys, widened(c, c.values, like.values, st.value_fills), cols))
+        bf16 = _joined_bf16(self, other, T, slack)
         if like.keys is not None:
             self.keys = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
             self.values = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))
@@ -262,46 +453,89 @@ class BatchedKVCache(RowOffsets, CacheContract):
         )
         self.row_state = {k: _concat_rows(v, other.row_state[k]) for k, v in self.row_state.items()}
         self.dtype = self.dtype or other.dtype
+        self.pending = self.pending or other.pending
+        self.bf16 = bf16
+        self._window_affine = st.affine and bf16 is None
         return self
 
     def filter_rows(self, keep):
-        """Keep rows ``keep`` (in that order), packed: padding common to all survivors goes."""
+        """Keep rows ``keep`` (in that order): one take along the rows; the columns left of
+        every survivor's first position go, the others (and the slack) stay where they are."""
         keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+        if self._remaining is not None:
+            raise MLXKVError(f"{self.kind}: rows cannot leave in the middle of a padded prefill (finalize first)")
+        for i in keep:
+            check_row(int(i), self.batch_size)
+        keep = keep % max(self.batch_size, 1)
         cols = self.cols.take(keep)
-        width = int(cols.counts.max(initial=0))
-        st = self.fmt.storage
-        if self.keys is not None and width > 0:
-            src, valid = source_columns(self.cols, keep, width)
-            self.keys = gather_columns(self.keys, keep, src, valid, st.key_fills)
-            self.values = gather_columns(self.values, keep, src, valid, st.value_fills)
-        else:  # nothing stored in any survivor: the next append reallocates
-            self.keys = self.values = None
-        self.cols = packed_columns(cols.counts)
+        shift = cols.lo
+        if self.keys is not None:
+            rows = mx.array(keep.astype(np.int32))
+            self.keys = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.keys)
+            self.values = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.values)
+        self.bf16 = None if self.bf16 is None else self.bf16.taken(keep, shift)
+        self.cols = cols.shifted(-shift)
         self._set_offsets(self.offsets[keep])
         self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]
         self.row_state = {k: _take_rows(v, keep) for k, v in self.row_state.items()}
+        self._window_affine = self.fmt.storage.affine and self.bf16 is None
         return self
 
     def extract_row(self, i: int):
-        """Row ``i`` as an owned serial cache of its own kind at its own offset."""
+        """Row ``i`` as an owned serial cache of its own kind at its own offset (a bf16-first
+        row as a ``Bf16FirstCache`` holding the storage its serial twin holds)."""
         i = check_row(i, self.batch_size)
         rows = np.array([i])
         count = int(self.cols.counts[i])
-        if self.keys is None or count == 0:
-            k = v = None
+        offset = int(self.offsets[i])
+        if self.bf16 is not None and i in self.bf16.rows:
+            row = self.bf16.extract(i, count, self.cols.idx, offset)
         else:
-            st = self.fmt.storage
-            src, valid = source_columns(self.cols, rows, count)
-            k = gather_columns(self.keys, rows, src, valid, st.key_fills)
-            v = gather_columns(self.values, rows, src, valid, st.value_fills)
-        extras = {name: _take_rows(a, rows) for name, a in self.row_state.items()}
-        row = self.fmt.restore(k, v, int(self.offsets[i]), count, self.dtype, extras)
+            if self.keys is None or count == 0:
+                k = v = None
+            else:
+                st = self.fmt.storage
+                src, valid = source_columns(self.cols, rows, count)
+                k = gather_columns(self.keys, rows, src, valid, st.key_fills)
+                v = gather_columns(self.values, rows, src, valid, st.value_fills)
+            extras = {name: _take_rows(a, rows) for name, a in self.row_state.items()}
+            row = self.fmt.restore(k, v, offset, count, self.dtype, extras)
         row.masks = self.masks
         row.minimum_reusable_offset = int(self.row_minimum_reusable_offsets[i])
+        if self.pending is not None:
+            row = Bf16FirstCache(self.pending, row)
         return row
 
-    # mlx-lm's names for the same surgery (its BatchGenerator calls these)
-    extend, filter, extract = extend_rows, filter_rows, extract_row
+    # mlx-lm's names for the same surgery (its BatchGenerator calls these); methods, so a
+    # layout that overrides the surgery is reached through either name
+    def extend(self, other):
+        return self.extend_rows(other)
+
+    def filter(self, batch_indices):
+        return self.filter_rows(batch_indices)
+
+    def extract(self, idx: int):
+        return self.extract_row(idx)
+
+
+def _joined_bf16(a: BatchedKVCache, b: BatchedKVCache, T: int, slack: int) -> Bf16Rows | None:
+    """The side store of ``a`` joined by ``b``'s rows, both left-padded to T columns plus the
+    slack, as the batch's arrays are."""
+    sides = [(c, c.bf16) for c in (a, b) if c.bf16 is not None]
+    if not sides:
+        return None
+    rows = np.concatenate([side.rows + (0 if c is a else a.batch_size) for c, side in sides])
+    arrays = [side.widened(T - c.cols.idx, c.cols.idx, slack) for c, side in sides]
+    ref = next((x for x in arrays if x is not None), None)
+    if ref is None:
+        return Bf16Rows(rows)
+    blank = lambda n: mx.zeros((n, ref[0].shape[1], T + slack, ref[0].shape[3]), ref[0].dtype)
+    parts = [x if x is not None else (blank(len(side)), blank(len(side))) for (_, side), x in zip(sides, arrays)]
+    return Bf16Rows(rows, mx.concatenate([p[0] for p in parts]), mx.concatenate([p[1] for p in parts]))
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def _concat_rows(a, b):
@@ -334,7 +568,7 @@ def merge_attention_rows(fmt, rows, cls=BatchedKVCache):
                     f"{fmt.serial_kind} rows with different head geometry or dtype cannot share a batch: "
                     f"{tuple(ref.shape)} {ref.dtype} vs {tuple(k[0].shape)} {k[0].dtype}"
                 )
-        width = cols.idx + cls.step
+        width = round_up(cols.idx + 1, cls.step)
         empty = lambda t: tuple(a[..., :0, :] for a in t)
         ks = [k if c > 0 else empty(full[0][0]) for k, _, c, _ in read]
         vs = [v if c > 0 else empty(full[0][1]) for _, v, c, _ in read]

@@ -80,12 +80,23 @@ def evict_oldest(cols: Columns, n_keep: int, limit: int) -> Columns:
     return Columns(s, e, w, cols.idx)
 
 
-def source_columns(cols: Columns, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def source_columns(
+    cols: Columns, rows: np.ndarray, width: int, counts=None, end: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """For packing ``rows`` right-aligned into ``width`` columns: the source column of each
-    target column and whether it holds a stored position (else padding or slack)."""
+    target column and whether it holds a stored position (else padding or slack).
+
+    ``counts`` (one per row of ``rows``) keeps only each row's first ``counts`` stored
+    positions in temporal order (a row's tail dropped: padding of a right-padded prefill, a
+    per-row trim); by default every stored position is kept. Rows end at column ``end``
+    (default: the longest of them), so a subset of a batch's rows can be packed as the whole
+    batch is."""
     s, e, w = cols.s[rows, None], cols.e[rows, None], cols.w[rows, None]
-    counts = (e - s) + (cols.idx - w)
-    M = int(counts.max(initial=0))
+    if counts is None:
+        counts = (e - s) + (cols.idx - w)
+    else:
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1, 1)
+    M = int(counts.max(initial=0)) if end is None else int(end)
     t = np.arange(width)[None, :]
     j = t - (M - counts)  # rank of the stored position at target column t
     valid = (j >= 0) & (j < counts)
@@ -110,16 +121,17 @@ def gather_columns(arrays: Sequence[mx.array], rows: np.ndarray, src: np.ndarray
     return tuple(out)
 
 
-def stack_left_padded(parts: list[Sequence[mx.array]], counts: Sequence[int], width: int, fills=None):
+def stack_left_padded(parts: list[Sequence[mx.array]], counts: Sequence[int], width: int, fills=None, end=None):
     """Right-align per-row storage ``parts[r][i]`` (``[1, H, counts[r], X_i]``) into
     ``[B, H, width, X_i]`` arrays, filled (0 unless ``fills`` says otherwise) on the left as
-    padding and on the right as slack.
+    padding and on the right as slack. Rows end at column ``end`` (default: the longest
+    row's count).
 
     The rows are joined once along the token axis and placed by one gather, so the padding
     is array arithmetic, not a loop over rows.
     """
     counts = np.asarray(counts, dtype=np.int64)
-    B, M = len(parts), int(counts.max(initial=0))
+    B, M = len(parts), int(counts.max(initial=0)) if end is None else int(end)
     starts = 1 + np.concatenate([[0], np.cumsum(counts)[:-1]])  # column 0 is the fill column
     t = np.arange(width)[None, :]
     j = t - (M - counts[:, None])
@@ -132,7 +144,7 @@ def stack_left_padded(parts: list[Sequence[mx.array]], counts: Sequence[int], wi
         pad = mx.full((1, ref.shape[1], 1, *ref.shape[3:]), fill, ref.dtype)
         flat = mx.concatenate([pad] + [p[i] for p in parts], axis=2)[0]  # [H, 1 + sum, X]
         g = mx.take(flat, src, axis=1).reshape(ref.shape[1], B, width, *ref.shape[3:])
-        out.append(mx.swapaxes(g, 0, 1))
+        out.append(mx.contiguous(mx.swapaxes(g, 0, 1)))  # rows outermost, as attention reads them
     return tuple(out)
 
 

@@ -55,6 +55,12 @@ class BatchedEvictionCache(BatchedKVCache):
     def is_trimmable(self) -> bool:
         return not self._evicted_any()
 
+    def _trimmable_rows(self) -> np.ndarray:
+        return self.cols.counts >= self.offsets  # rows that have not evicted
+
+    def _stored_limit(self) -> int:
+        return self.fmt.budget
+
     def _positions(self, B: int, H: int, N: int) -> mx.array:
         """The original positions of N new positions per row, [B, H, N, 1] int32."""
         pos = mx.array(self.offsets.astype(np.int32))[:, None, None] + mx.arange(N, dtype=mx.int32)

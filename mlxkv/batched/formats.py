@@ -83,7 +83,7 @@ class TurboRows(RowFormat):
     stored (never decoded and re-encoded)."""
 
     storage: TurboStorage
-    deferred: bool = False
+    deferred: bool = True
 
     @property
     def serial_kind(self) -> str:

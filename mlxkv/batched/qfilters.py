@@ -76,16 +76,14 @@ def qfilters_rows(row) -> QFiltersRows:
 
 
 class BatchedQFiltersCache(BatchedEvictionCache):
-    def trim(self, n: int) -> int:
-        n = super().trim(n)
+    def _after_trim(self, counts):
         st = self.row_state
-        thaw = thaw_due(st["frozen"], st["calibrated"], self.offsets, self.fmt.calib_tokens) if n else None
-        if n and thaw.any():
+        thaw = thaw_due(st["frozen"], st["calibrated"], self.offsets, self.fmt.calib_tokens) & (counts > 0)
+        if thaw.any():
             st["frozen"] = st["frozen"] & ~thaw
             t = mx.array(thaw)
             st["filter"] = mx.where(t[:, None, None], 0.0, st["filter"])
             self.keys = self.keys[:2] + (mx.where(t[:, None, None, None], 0.0, self.keys[2]),)
-        return n
 
     def extend_rows(self, other):
         self._compatible(other)

@@ -31,6 +31,9 @@ class PlainStorage:
 
     fetch_values = decode_keys = decode_values = fetch_keys
 
+    def head_dim(self, keys) -> int:
+        return keys[0].shape[3]
+
 
 @dataclass(frozen=True)
 class AffineStorage:
@@ -55,6 +58,9 @@ class AffineStorage:
         return mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
 
     decode_values = decode_keys
+
+    def head_dim(self, keys) -> int:
+        return keys[0].shape[3] * 32 // self.bits
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,9 @@ class TurboStorage:
 
     fetch_keys, fetch_values = decode_keys, decode_values
 
+    def head_dim(self, keys) -> int:
+        return keys[1].shape[3] * tq.GROUP
+
 
 @dataclass(frozen=True)
 class EvictionStorage:
@@ -111,3 +120,6 @@ class EvictionStorage:
         return t[0]
 
     fetch_values = decode_keys = decode_values = fetch_keys
+
+    def head_dim(self, keys) -> int:
+        return keys[0].shape[3]

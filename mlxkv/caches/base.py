@@ -1,7 +1,28 @@
 """What every mlxkv cache has beyond mlx-lm's cache API (the cache contract, docs/caches.md)."""
 
+import mlx.core as mx
+
+from ..errors import SchemeError
 from .masks import ForwardMasks
 from .reads import NamedReads
+
+
+class DtypeAttribute:
+    """An ``mx.Dtype`` attribute stored by name: ``mx.Dtype`` objects cannot be copied, and
+    mlx-lm deep-copies caches (prompt-cache hits, every prompt-to-decode split of its batch
+    engine). Reads give the ``mx.Dtype`` back (or None)."""
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_{name}_name"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        name = obj.__dict__.get(self.slot)
+        return None if name is None else getattr(mx, name)
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = None if value is None else str(value).rsplit(".", 1)[-1]
 
 
 class CacheContract(NamedReads):
@@ -41,6 +62,16 @@ class CacheContract(NamedReads):
     def dense_window(self):
         """The stored positions as dense (keys, values), or None when empty."""
         raise NotImplementedError
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """Refused: mlx-lm's ``kv_bits`` calls this to swap a cache for its own kind-less
+        ``QuantizedKVCache``. An mlxkv cache is quantized by its scheme instead."""
+        raise SchemeError(
+            f"mlx-lm's kv_bits={bits} would replace this {self.kind} cache by mlx-lm's own "
+            "QuantizedKVCache; mlxkv caches are quantized by their scheme: pass "
+            f"prompt_cache=mlxkv.make_cache(model, 'kv{bits}-g{group_size}') (add -start<N> for "
+            "quantized_kv_start=N) and leave kv_bits unset"
+        )
 
     @classmethod
     def merge(cls, caches):

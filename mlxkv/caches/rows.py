@@ -7,14 +7,24 @@ have their own kinds (``kv:batched-...``) and no codec: extract rows before savi
 
 The layout a row gets is its family's (``mlxkv.families``: ``rows(serial) -> row format``,
 whose ``merge(rows)`` builds the batch; the layouts live in ``mlxkv.batched``). A kind no
-family handles raises :class:`~mlxkv.errors.UnknownKindError` naming it.
+family handles raises :class:`~mlxkv.errors.UnknownKindError` naming it. Bf16-first rows
+(``Bf16FirstCache``) join a batch of their target's layout, each row in its own precision
+until its own start.
+
+The model-level functions are transactions: a change to a model's batch (one batched cache
+per layer) applies to every layer or, when any layer refuses, to none.
 """
 
+import contextlib
+import copy
 from collections.abc import Sequence
+
+import numpy as np
 
 from ..errors import CacheConfigError, MLXKVError
 from ..families import family_of_batched_kind, family_of_kind, kind_of
-from .transition import settled
+from .plain import KVCache
+from .transition import Bf16FirstCache
 
 
 def is_row_batch(cache) -> bool:
@@ -38,18 +48,8 @@ def row_format(row):
     return family.rows(row)
 
 
-def merge_rows(rows: Sequence):
-    """One batched cache for one layer from serial caches of one kind, one per request.
-
-    The rows are not modified; the batch owns copies of their stored arrays.
-    """
-    rows = list(rows)
-    if not rows:
-        raise MLXKVError("merge_rows needs at least one row")
-    for i, r in enumerate(rows):
-        if hasattr(r, "extract_row"):
-            raise MLXKVError(f"row {i} is already a batch ({kind_of(r)}): join batches with extend(batch, other)")
-    rows = [settled(r, i) for i, r in enumerate(rows)]
+def _common_format(rows):
+    """The one row format of ``rows`` (one kind, one geometry), or an error naming the odd row."""
     formats = [row_format(r) for r in rows]  # an unknown kind is named before a mixed batch
     kinds = [kind_of(r) for r in rows]
     for i, k in enumerate(kinds):
@@ -61,7 +61,49 @@ def merge_rows(rows: Sequence):
                 f"row {i} is a {kinds[i]} with {f}, row 0 has {formats[0]}: rows of one "
                 "batch share one geometry (ring size and keep, budget, ...)"
             )
-    return formats[0].merge(rows)
+    return formats[0]
+
+
+def merge_rows(rows: Sequence):
+    """One batched cache for one layer from serial caches of one kind, one per request.
+
+    The rows are not modified; the batch owns copies of their stored arrays.
+    """
+    rows = list(rows)
+    if not rows:
+        raise MLXKVError("merge_rows needs at least one row")
+    for i, r in enumerate(rows):
+        if hasattr(r, "extract_row"):
+            raise MLXKVError(f"row {i} is already a batch ({kind_of(r)}): join batches with extend(batch, other)")
+    if any(isinstance(r, Bf16FirstCache) for r in rows):
+        return _merge_bf16_first(rows)
+    return _common_format(rows).merge(rows)
+
+
+def _merge_bf16_first(rows):
+    """Bf16-first rows (and rows already in their target's storage) in one batch of the
+    target's layout; a row not converted yet is stored as its conversion would encode it
+    and keeps its bf16 positions beside (``mlxkv.batched.bf16first``)."""
+    pending = next(r.pending for r in rows if isinstance(r, Bf16FirstCache))
+    targets, plains = [], {}
+    for i, r in enumerate(rows):
+        p = getattr(r, "pending", None)
+        if isinstance(r, Bf16FirstCache) and (p.scheme, p.start) != (pending.scheme, pending.start):
+            raise CacheConfigError(
+                f"row {i} converts to {p.scheme} at {p.start}, row 0 to {pending.scheme} at {pending.start}: "
+                "a batch holds one scheme per layer"
+            )
+        inner = r.inner if isinstance(r, Bf16FirstCache) else r
+        if isinstance(r, Bf16FirstCache) and not r.converted:
+            plains[i] = inner
+            twin = KVCache()  # the conversion consumes its source: give it a view of the row
+            twin.keys, twin.values, twin.offset = inner.keys, inner.values, inner.offset
+            twin.masks = inner.masks
+            inner = pending.convert(twin)
+            inner.minimum_reusable_offset = r.minimum_reusable_offset
+        targets.append(inner)
+    fmt = _common_format(targets)
+    return fmt.merge_bf16_first(targets, pending, plains)
 
 
 def extend(batch, more):
@@ -88,7 +130,37 @@ def extract_row(batch, i: int):
     return batch.extract_row(i)
 
 
+def trim_rows(batch, counts: Sequence[int]):
+    """Trim row i of ``batch`` by ``counts[i]`` positions, in place (all rows or none)."""
+    _require_batch(batch, "trim_rows")
+    return batch.trim_rows(counts)
+
+
 # -- a model's caches: one list of per-layer caches per request ------------------------------
+
+
+@contextlib.contextmanager
+def transaction(layers: Sequence):
+    """Apply a change to every layer of a model's batch or to none: each layer's attributes
+    are kept (stored arrays are values, never written in place by row surgery) and put
+    back if any layer raises."""
+    saved = [_attributes(c) for c in layers]
+    try:
+        yield
+    except BaseException:
+        for c, attrs in zip(layers, saved):
+            c.__dict__.clear()
+            c.__dict__.update(attrs)
+        raise
+
+
+def _attributes(cache) -> dict:
+    """A layer's attributes, with its mutable containers copied one level deep."""
+    out = dict(cache.__dict__)
+    for name, value in out.items():
+        if isinstance(value, (dict, list)):
+            out[name] = copy.copy(value)
+    return out
 
 
 def merge_model_rows(requests: Sequence[Sequence]) -> list:
@@ -104,23 +176,48 @@ def merge_model_rows(requests: Sequence[Sequence]) -> list:
 
 def extend_model_rows(batch: Sequence, more: Sequence) -> list:
     """Join one request (its per-layer caches), several (a list of those) or a batched
-    per-layer list into ``batch``, in place."""
+    per-layer list into ``batch``, in place: every layer joins or none does."""
     more = list(more)
     if more and isinstance(more[0], (list, tuple)):
         more = merge_model_rows(more)
     if len(more) != len(batch):
         raise CacheConfigError(f"the batch has {len(batch)} layers, the rows {len(more)}")
-    for b, m in zip(batch, more):
-        extend(b, m)
+    with transaction(batch):
+        for b, m in zip(batch, more):
+            extend(b, m)
     return list(batch)
 
 
 def filter_model_rows(batch: Sequence, keep: Sequence[int]) -> list:
-    for b in batch:
-        filter_rows(b, keep)
+    """Keep rows ``keep`` (in that order) in every layer, or, if any layer refuses, in none."""
+    with transaction(batch):
+        for b in batch:
+            filter_rows(b, keep)
+    return list(batch)
+
+
+def trim_model_rows(batch: Sequence, counts: Sequence[int]) -> list:
+    """Trim request i by ``counts[i]`` positions in every layer (speculative decoding's
+    per-row rollback), or in none. Recurrent state cannot trim: a count > 0 on a model
+    with recurrent layers is refused."""
+    with transaction(batch):
+        for b in batch:
+            trim_rows(b, counts)
     return list(batch)
 
 
 def extract_model_row(batch: Sequence, i: int) -> list:
     """Request ``i`` as a list of owned serial caches, one per layer (sharing one masks)."""
     return [extract_row(b, i) for b in batch]
+
+
+def projected_bytes(batch: Sequence, rows: Sequence[int] = (), tokens: int = 0) -> int:
+    """What a model's batch will hold, in bytes, once requests holding ``rows`` positions
+    each have joined and every request has appended ``tokens`` more: what an admission
+    controller asks before a join or a longer generation. Within one allocation step (256
+    columns of every row) of the bytes the batch then holds; a layer that has stored
+    nothing yet does not know its geometry and counts what it holds."""
+    rows = [int(n) for n in rows]
+    if any(n < 0 for n in rows) or tokens < 0:
+        raise MLXKVError(f"projected_bytes needs counts >= 0, got rows={rows}, tokens={tokens}")
+    return int(sum(np.int64(b.projected_bytes(rows, tokens)) for b in batch))

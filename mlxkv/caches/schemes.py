@@ -71,10 +71,9 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
     parsed = parse_scheme(scheme, options)
     if max_kv_size is not None and parsed.ring is None:
         raise SchemeError(f"scheme {scheme!r} has no ring form: max_kv_size cannot be used with it")
-    if hasattr(model, "make_cache"):
-        template = model.make_cache()
-    else:
-        template = [mlx_cache.KVCache() for _ in model.layers]
+    make = getattr(model, "make_cache", None)
+    make = getattr(make, "layer_template", make)  # the model's own, under mlxkv serve's factory
+    template = make() if make is not None else [mlx_cache.KVCache() for _ in model.layers]
 
     heads, dim = attention_geometry(model)
     layer_options = {"n_kv_heads": heads, "head_dim": dim, **options}  # builders check against it

@@ -17,6 +17,8 @@ Phases:
 - an empty cache's first append fixes its geometry and runs eagerly (``eager``).
 """
 
+import copy
+
 import mlx.core as mx
 
 from ..errors import UnknownKindError
@@ -32,7 +34,7 @@ from .decode_slot import (
     TurboStore,
     WindowLayout,
 )
-from .transition import Bf16FirstCache, settled
+from .transition import Bf16FirstCache
 
 STEP = 256
 
@@ -192,10 +194,10 @@ def _family_slot(cache) -> DecodeSlot:
 
 def decode_slot(cache) -> DecodeSlot:
     """The slot of one decode step for ``cache``. A bf16-first cache whose conversion is due
-    converts first, as its next append would; its commit is its own append, so it converts
-    whenever its own rule says."""
+    (a file written before conversions happened at the end of the append) converts first;
+    its commit is its own append, so it converts whenever its own rule says."""
     if isinstance(cache, Bf16FirstCache):
-        cache._maybe_convert()
+        cache.settle()
         slot = _family_slot(cache.inner)
         if cache.pending is not None and slot.commit is not None:
             slot.commit = _append_commit(cache)  # its append converts when its rule says
@@ -207,6 +209,7 @@ def decode_phase(cache) -> Phase:
     """The phase the next decode step of ``cache`` takes, without changing the cache (a
     bf16-first cache whose conversion is due is predicted on a converted copy)."""
     if isinstance(cache, Bf16FirstCache):
-        p = cache.pending
-        cache = settled(cache) if p is not None and p.due(cache.inner.offset) else cache.inner
+        p, inner = cache.pending, cache.inner
+        due = not cache.converted and p.due(inner.offset)
+        cache = p.apply(copy.deepcopy(inner)) if due else inner
     return _family_slot(cache).phase

@@ -1,12 +1,20 @@
 """Bf16-first caches: store and attend bf16, then convert the live window once.
 
-``Bf16FirstCache`` holds a plain cache until ``start`` positions are stored (or, with
-``start == 0``, until the first append is done), then converts it with the target's
-``from_cache``. The append that reaches ``start`` is attended in bf16; the conversion runs at
-the start of the next append, so the attention call that follows an append always sees the
-storage it was handed (mlx-lm picks its SDPA by ``hasattr(cache, "bits")`` *after* the
-append). It reports the kind of the storage it holds now, as mlx-bun does, and the pending
-conversion travels in snapshots so a restored cache converts at the same position.
+``Bf16FirstCache`` holds a plain cache until an append leaves it holding ``start`` positions
+(with ``start == 0``: until the first append), as mlx-bun's ``transitionDue``. That append is
+attended in bf16; the storage converts with the target's ``from_cache`` at the end of the
+same append, so a snapshot taken right after a long prefill is already compact. Every later
+append is stored and attended in the target's precision.
+
+mlx-lm picks its attention by ``hasattr(cache, "bits")`` *after* the append, so the wrapper
+answers ``bits`` only while the window it last returned is an affine triple: the append that
+converts still returned bf16, the next one returns the triple. It reports the kind of the
+storage it holds now, as mlx-bun does; a pending conversion travels in snapshots, and a
+storage restored at or past its start (written by an mlxkv that converted one append later)
+converts as it is built, at the position it would have converted at.
+
+The rule (``PendingConversion.due`` and ``apply``) is one: batched rows follow it per row
+(``mlxkv.batched.attention``).
 """
 
 from collections.abc import Callable
@@ -16,6 +24,9 @@ from ..errors import CacheConfigError
 from .base import CacheContract
 from .plain import KVCache
 
+#: attributes a wrapper shows only while its last window was an affine triple
+AFFINE_ATTRIBUTES = ("bits", "group_size")
+
 
 @dataclass(frozen=True)
 class PendingConversion:
@@ -23,28 +34,38 @@ class PendingConversion:
     start: int
     convert: Callable  # plain cache -> converted cache (consumes the plain cache)
 
-    def due(self, offset: int) -> bool:
-        """Does a plain cache holding ``offset`` positions convert before its next append?
-        Once it holds ``start`` positions (with ``start == 0``: once it holds any)."""
-        return offset > 0 and offset >= self.start
+    def due(self, offset):
+        """mlx-bun's ``transitionDue``: does a plain storage that an append just left holding
+        ``offset`` positions convert now? Once it holds ``start`` (with ``start == 0``: once
+        it holds any). ``offset`` may be an array of rows' offsets."""
+        return (offset > 0) & (offset >= self.start)
+
+    def floor(self, at):
+        """The reuse floor a conversion at position ``at`` sets: ``at`` after position 0
+        (earlier prefixes were never stored in the target's precision), else 0."""
+        return at if self.start > 0 else 0 * at
 
     def apply(self, plain):
-        """Convert ``plain`` (consumed); a conversion after position 0 sets the reuse floor
-        to the position it happened at: earlier prefixes were never stored in the target's
-        precision."""
+        """Convert ``plain`` (consumed), raising its reuse floor (``floor``)."""
         at = plain.offset
         out = self.convert(plain)
-        if self.start > 0:
-            out.minimum_reusable_offset = max(out.minimum_reusable_offset, at)
+        out.minimum_reusable_offset = max(out.minimum_reusable_offset, self.floor(at))
         return out
+
+    def target(self):
+        """An empty cache of the target storage (what a converted row is)."""
+        return self.convert(KVCache())
 
 
 class Bf16FirstCache(CacheContract):
     def __init__(self, pending: PendingConversion, inner=None):
+        """``inner``: the held storage, plain (not converted yet) or the target's (converted)."""
         if pending.start < 0:
             raise CacheConfigError(f"conversion start must be >= 0, got {pending.start}")
         self.inner = inner if inner is not None else KVCache()
         self.pending = pending
+        self.settle()
+        self._window_affine = hasattr(self.inner, "bits")
 
     # identity and position are the held storage's
     @property
@@ -67,32 +88,48 @@ class Bf16FirstCache(CacheContract):
     def minimum_reusable_offset(self) -> int:
         return self.inner.minimum_reusable_offset
 
+    @minimum_reusable_offset.setter
+    def minimum_reusable_offset(self, value: int):
+        self.inner.minimum_reusable_offset = value
+
+    @property
+    def converted(self) -> bool:
+        return self.inner.kind != KVCache.kind
+
     @property
     def pending_conversion(self):
         """``{"scheme", "start"}`` while the conversion has not happened, else None."""
         p = self.pending
-        return None if p is None else {"scheme": p.scheme, "start": p.start}
+        return None if self.converted else {"scheme": p.scheme, "start": p.start}
 
-    def _maybe_convert(self):
-        if self.pending is not None and self.pending.due(self.inner.offset):
+    def settle(self):
+        """Convert now if the conversion is due (``PendingConversion.due``)."""
+        if not self.converted and self.pending.due(self.inner.offset):
             self.inner = self.pending.apply(self.inner)
-            self.pending = None
+
+    def _appended(self, out):
+        """After an append through the held storage: remember whether it returned an affine
+        triple, then convert if that append reached ``start``."""
+        self._window_affine = hasattr(self.inner, "bits")
+        self.settle()
+        return out
 
     def update_and_fetch(self, keys, values):
-        self._maybe_convert()
-        return self.inner.update_and_fetch(keys, values)
+        self.settle()  # a storage appended to outside this wrapper (a compiled step) converts late
+        return self._appended(self.inner.update_and_fetch(keys, values))
 
     def make_mask(self, *args, **kwargs):
         return self.inner.make_mask(*args, **kwargs)
 
-    # named reads are the held storage's own (a TurboQuant cache may read deferred)
+    # named reads are the held storage's own (a TurboQuant cache may read deferred); the
+    # read keeps the storage it was made from, so it attends what it was handed
     def append_decode(self, keys, values, **kwargs):
-        self._maybe_convert()
-        return self.inner.append_decode(keys, values, **kwargs)
+        self.settle()
+        return self._appended(self.inner.append_decode(keys, values, **kwargs))
 
     def append_window(self, keys, values, **kwargs):
-        self._maybe_convert()
-        return self.inner.append_window(keys, values, **kwargs)
+        self.settle()
+        return self._appended(self.inner.append_window(keys, values, **kwargs))
 
     def read_block(self, keys, values, **kwargs):
         return self.inner.read_block(keys, values, **kwargs)
@@ -114,33 +151,10 @@ class Bf16FirstCache(CacheContract):
         return self.inner.nbytes
 
     def __getattr__(self, name):
-        # Only reached for names this class lacks: state, keys, bits (only once converted
-        # to an affine layout), group_size, empty(), ...
-        if name in ("inner", "pending"):
+        # Only reached for names this class lacks: state, keys, empty(), ... and ``bits``,
+        # shown only while the last window was an affine triple.
+        if name.startswith("__") or name in ("inner", "pending", "_window_affine"):
             raise AttributeError(name)
+        if name in AFFINE_ATTRIBUTES and not self.__dict__.get("_window_affine", False):
+            raise AttributeError(f"{name}: the window this cache last returned is not an affine triple")
         return getattr(self.inner, name)
-
-
-def settled(row, i: int = 0):
-    """The storage a serial row attends from its next append on, for joining a batch.
-
-    A bf16-first row whose conversion is due is converted on a copy now, exactly as its
-    next append would convert it; one still short of its start cannot share a batch,
-    because a batched layer holds one storage. The row itself is never modified.
-    """
-    if not isinstance(row, Bf16FirstCache):
-        return row
-    p = row.pending
-    if p is None:
-        return row.inner
-    plain = row.inner
-    if not p.due(plain.offset):
-        raise CacheConfigError(
-            f"row {i} is bf16-first and converts to {p.scheme} at position {p.start} "
-            f"(it is at {plain.offset}): a batched layer holds one storage, so it cannot "
-            "convert one row mid-batch; decode that row alone until it converts"
-        )
-    copy = KVCache()
-    copy.keys, copy.values, copy.offset = plain.keys, plain.values, plain.offset
-    copy.masks, copy.minimum_reusable_offset = plain.masks, plain.minimum_reusable_offset
-    return p.apply(copy)  # consumes the copy, never the caller's row

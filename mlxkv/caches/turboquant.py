@@ -7,12 +7,13 @@ Storage is the five arrays of the vLLM-Metal reference encode (``mlxkv.math.turb
 
 Reads:
 
-- eager (``update_and_fetch``, and the named reads by default): keys and values decoded;
-  every mlx-lm attention site stays correct, so this is what ``update_and_fetch`` returns;
-- deferred (``deferred=True``, or ``append_decode(k, v, deferred=True)``): values stay in
-  the rotated domain (no inverse Hadamard over the T stored rows) and the read's ``finish``
-  un-rotates the attention output once, O(L d log d) instead of O(T d log d). Valid because
-  attention is linear in V and the rotation is the same for every position and head.
+- eager (``update_and_fetch``, or ``deferred=False``): keys and values decoded; every mlx-lm
+  attention site stays correct, so this is what ``update_and_fetch`` always returns;
+- deferred (the named reads by default, as mlx-bun reads; per call ``deferred=``): values
+  stay in the rotated domain (no inverse Hadamard over the T stored rows) and the read's
+  ``finish`` un-rotates the attention output once, O(L d log d) instead of O(T d log d).
+  Valid because attention is linear in V and the rotation is the same for every position
+  and head.
 - codes (``codes=True``, or ``append_decode(k, v, codes=True)``): attention straight from
   the stored codes (``mlxkv.math.turboquant_attention``): scores from the keys' per-group
   affine terms, values through the codebook in the rotated domain, no decoded window. It
@@ -32,7 +33,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheConfigError, MLXKVError
 from ..math import turboquant as tq
 from ..math import turboquant_attention as tqa
-from .base import CacheContract
+from .base import CacheContract, DtypeAttribute
 from .reads import AttentionRead
 from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
@@ -77,12 +78,13 @@ class CodesRead:
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     step = 256
+    dtype = DtypeAttribute()  # the dtype dense_window decodes to (the last append's)
 
     def __init__(
         self,
         k_bits: int = 8,
         v_bits: int = 3,
-        deferred: bool = False,
+        deferred: bool = True,
         head_dim: int | None = None,
         codes: bool = False,
     ):
@@ -95,7 +97,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         self.head_dim = head_dim
         self.offset = 0
         self.storage = None  # [kIdx, kScales, kZeros, vPacked, vScales], capacity rows each
-        self.dtype = mx.bfloat16  # the dtype dense_window decodes to (the last append's)
+        self.dtype = mx.bfloat16
 
     @property
     def kind(self) -> str:
@@ -240,7 +242,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
 
     @classmethod
     def from_cache(
-        cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = False, codes: bool = False
+        cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = True, codes: bool = False
     ) -> "TurboQuantKVCache":
         """Encode a plain cache's live window once; ``offset``, ``minimum_reusable_offset``
         and ``masks`` carry over and the source is consumed (its arrays are released)."""
@@ -292,7 +294,7 @@ def turbo_scheme(m, opts):
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 
     def build(i, o):
-        deferred, codes = bool(o.get("deferred", False)), bool(o.get("codes", False))
+        deferred, codes = bool(o.get("deferred", True)), bool(o.get("codes", False))
         pending = PendingConversion(
             f"turbo-k{k_bits}v{v_bits}",
             start,

@@ -15,7 +15,8 @@ vScales    F16                    headDim/32
 
 ``check`` refuses a header without ``headDim``, unsupported bits or head_dim, a wrong dtype,
 or widths inconsistent with headDim and the bits, before any tensor is read. The read mode
-(eager or deferred) is not storage and is not persisted: a restored cache reads eagerly.
+(eager or deferred) is not storage and is not persisted: a restored cache reads as a new one
+(deferred named reads).
 """
 
 from ..caches.turboquant import SLOTS, TurboQuantKVCache

@@ -1,0 +1,113 @@
+"""The options of ``mlxkv serve``: mlx-lm's server options that make sense with mlxkv caches,
+plus the cache scheme; and the ones refused, with the reason.
+
+``mlx_lm_arguments(args)`` turns them into the namespace ``mlx_lm.server`` reads.
+"""
+
+import argparse
+import json
+
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.utils import _parse_size
+
+from ..errors import SchemeError
+
+#: mlx-lm server options mlxkv serve refuses, and why (docs/serving.md)
+REFUSED = {
+    "kv_bits": "--kv-bits would replace the mlxkv caches by mlx-lm's own QuantizedKVCache (and serve one "
+    "request at a time); quantize with the scheme instead: --scheme kv4 (kv4-start5000 quantizes after "
+    "5000 tokens, as --quantized-kv-start 5000 would)",
+    "kv_group_size": "--kv-group-size belongs to --kv-bits; give the group in the scheme: --scheme kv4-g32",
+    "quantized_kv_start": "--quantized-kv-start belongs to --kv-bits; give the start in the scheme: "
+    "--scheme kv4-start5000",
+    "draft_model": "--draft-model runs speculative decoding on mlx-lm's own caches, one request at a time; "
+    "mlxkv serve batches every request on the scheme's caches",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", required=True, help="local model directory (or a Hugging Face repo id)")
+    p.add_argument("--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ...")
+    p.add_argument("--max-kv-size", type=int, help="full-attention layers become rings of this many positions")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        help="refuse requests whose prompt plus max_tokens exceed this (default: the model's "
+        "max_position_embeddings, if its config has one)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--adapter-path")
+    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--chat-template", default="")
+    p.add_argument("--use-default-chat-template", action="store_true")
+    p.add_argument("--chat-template-args", type=_json_object, default="{}")
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--decode-concurrency", type=int, default=32, help="rows decoded together")
+    p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prompt-cache-size", type=int, default=10, help="prompt-cache entries kept in memory")
+    p.add_argument("--prompt-cache-bytes", type=_parse_size, help="byte cap of the prompt cache (e.g. 2GB)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    for name in REFUSED:  # accepted by the parser so the refusal can say why
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--chat-template-args must be a JSON object")
+    return value
+
+
+def check_refused(args) -> None:
+    for name, why in REFUSED.items():
+        if getattr(args, name, None) is not None:
+            raise SchemeError(why)
+
+
+def cache_options(args) -> dict:
+    """``make_cache`` keyword options of the scheme's caches."""
+    return {} if args.max_kv_size is None else {"max_kv_size": args.max_kv_size}
+
+
+def mlx_lm_arguments(args) -> argparse.Namespace:
+    """The namespace ``mlx_lm.server`` reads (its ``cli_args``)."""
+    check_refused(args)
+    return argparse.Namespace(
+        model=args.model,
+        adapter_path=args.adapter_path,
+        draft_model=None,
+        num_draft_tokens=3,
+        trust_remote_code=args.trust_remote_code,
+        chat_template=args.chat_template,
+        use_default_chat_template=args.use_default_chat_template,
+        chat_template_args=args.chat_template_args,
+        pipeline=False,
+        allowed_origins=args.allowed_origins,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        decode_concurrency=args.decode_concurrency,
+        prompt_concurrency=args.prompt_concurrency,
+        prefill_step_size=args.prefill_step_size,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        kv_bits=None,
+        kv_group_size=64,
+        quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
+        log_level=args.log_level,
+    )
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """``mlxkv serve``'s options alone (the server module run as a script, the tests)."""
+    return add_arguments(argparse.ArgumentParser(prog="mlxkv serve")).parse_args(argv)
