@@ -53,6 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-cache-size", type=int, default=10, help="prompt-cache entries kept in memory")
     p.add_argument("--prompt-cache-bytes", type=_parse_size, help="byte cap of the prompt cache (e.g. 2GB)")
+    p.add_argument(
+        "--store",
+        metavar="DIR",
+        help="keep prompt caches in an mlxkv PromptStore with this directory as its disk tier "
+        "(snapshot files that survive restarts); RAM capped by --prompt-cache-bytes (default 1GB)",
+    )
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        help="share prompt caches through Redis or Valkey (redis://host:6379/0, unix:///path.sock), "
+        "with or without --store",
+    )
+    p.add_argument("--store-disk-bytes", type=_parse_size, help="byte cap of the --store directory (default: none)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     for name in REFUSED:  # accepted by the parser so the refusal can say why
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)

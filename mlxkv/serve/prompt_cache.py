@@ -9,8 +9,11 @@ prefix of a prompt and gives finished rows to.
   exactly ``tokens``; the server does not use them afterwards;
 - ``trim_to(n_sequences=None, n_bytes=None)``, ``len()``, ``nbytes``, ``stats_by_type()``.
 
-Any object with these members can serve (``build_prompt_cache`` is where another store is
-chosen). :class:`PromptCache` is mlx-lm's in-memory LRU with mlxkv's reuse rule
+Any object with these members can serve; ``build_prompt_cache`` chooses. With ``--store DIR``
+or ``--redis URL`` it is :class:`ServerStore`: a :class:`~mlxkv.PromptStore` (RAM, then the
+directory's snapshot files, which survive restarts, then Redis, shared by several servers),
+opened when the model loads, since its entries are keyed by the model's fingerprint and
+tokenizer. Otherwise :class:`PromptCache`: mlx-lm's in-memory LRU with mlxkv's reuse rule
 (``mlxkv.state.reuse``): a stored entry serves a prompt from ``p = min(common prefix,
 len(prompt) - 1)`` only if ``p`` is not below any cache's ``minimum_reusable_offset`` and, when
 ``p`` is short of the entry, every cache can trim. So a bf16-first cache is never cut below
@@ -20,10 +23,16 @@ prompt, which it refuses).
 """
 
 import copy
+import threading
 
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..state.reuse import usable_prefix
+from ..state.store import PromptStore
+from ..state.store.adapter import StorePromptCache
+
+#: the RAM the store may hold when ``--prompt-cache-bytes`` is not given
+DEFAULT_STORE_BYTES = 1 << 30
 
 
 class PromptCache(LRUPromptCache):
@@ -48,6 +57,73 @@ class PromptCache(LRUPromptCache):
         return caches, tokens[p:]
 
 
+class ServerStore(StorePromptCache):
+    """A :class:`~mlxkv.PromptStore` as the server's prompt cache. Until ``bind`` (the model
+    loaded) it holds nothing: a fetch misses, an insert is dropped."""
+
+    def __init__(self, open_store):
+        """``open_store(model, tokenizer) -> PromptStore``."""
+        super().__init__(None)
+        self._open_store = open_store
+        self._lock = threading.Lock()
+
+    def bind(self, model, tokenizer) -> None:
+        """Open the store of the model just loaded (closing the previous model's)."""
+        store = self._open_store(model, tokenizer)
+        with self._lock:
+            old, self.store = self.store, store
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        """Write what is queued (to the directory and Redis) and release the store."""
+        with self._lock:
+            store, self.store = self.store, None
+        if store is not None:
+            store.close()
+
+    def fetch_nearest_cache(self, model, tokens):
+        return (None, list(tokens)) if self.store is None else super().fetch_nearest_cache(model, tokens)
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        if self.store is not None:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+    def trim_to(self, *, n_sequences=None, n_bytes=None):
+        if self.store is not None:
+            super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def __len__(self):
+        return 0 if self.store is None else super().__len__()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.nbytes
+
+    @property
+    def max_bytes(self) -> int:
+        return 0 if self.store is None else self.store.cap
+
+    def stats_by_type(self) -> dict:
+        return {} if self.store is None else super().stats_by_type()
+
+
 def build_prompt_cache(args):
-    """The prompt cache ``mlxkv serve`` runs with (``--prompt-cache-size`` entries in memory)."""
-    return PromptCache(max_size=args.prompt_cache_size)
+    """The prompt cache ``mlxkv serve`` runs with: a :class:`ServerStore` with ``--store`` or
+    ``--redis``, else :class:`PromptCache` (``--prompt-cache-size`` entries in memory)."""
+    if args.store is None and args.redis is None:
+        return PromptCache(max_size=args.prompt_cache_size)
+    cap = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else DEFAULT_STORE_BYTES
+
+    def open_store(model, tokenizer):
+        return PromptStore(
+            model,
+            tokenizer,
+            cap=cap,
+            directory=args.store,
+            redis=args.redis,
+            scheme=args.scheme,
+            disk_cap=args.store_disk_bytes,
+        )
+
+    return ServerStore(open_store)

@@ -73,14 +73,18 @@ def install_scheme(model, scheme: str, **options) -> SchemeCaches:
 class SchemeModelProvider(mlx_server.ModelProvider):
     """mlx-lm's model provider; a loaded model makes mlxkv caches of the scheme."""
 
-    def __init__(self, cli_args, scheme: str, options: dict | None = None):
+    def __init__(self, cli_args, scheme: str, options: dict | None = None, on_load=None):
+        """``on_load(model, tokenizer)``: called after a model loads (a prompt store opens)."""
         super().__init__(cli_args)
         self.scheme, self.options = scheme, dict(options or {})
+        self.on_load = on_load
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         super()._load(model_path, adapter_path, draft_model_path)
         install_scheme(self.model, self.scheme, **self.options)
         self.is_batchable = self.draft_model is None and all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
+        if self.on_load is not None:
+            self.on_load(self.model, self.tokenizer)
 
 
 class _Tracked:
@@ -184,8 +188,8 @@ class ServingHandler(mlx_server.APIHandler):
 class Server:
     """A started ``mlxkv serve``: ``port``, ``serve_forever()``, ``shutdown()``."""
 
-    def __init__(self, httpd, generator):
-        self.httpd, self.generator = httpd, generator
+    def __init__(self, httpd, generator, prompt_cache):
+        self.httpd, self.generator, self.prompt_cache = httpd, generator, prompt_cache
         self._serving = False
 
     @property
@@ -198,11 +202,15 @@ class Server:
             self.httpd.serve_forever()
 
     def shutdown(self):
-        """Stop serving (from any thread), close the port, stop the generation thread."""
+        """Stop serving (from any thread), close the port, stop the generation thread, close
+        the prompt store (its queued writes reach the directory and Redis first)."""
         if self._serving:
             self.httpd.shutdown()
         self.httpd.server_close()
         self.generator.stop_and_join()
+        close = getattr(self.prompt_cache, "close", None)
+        if close is not None:
+            close()
 
 
 def start(args, prompt_cache=None, wait: float | None = 300.0) -> Server:
@@ -212,13 +220,14 @@ def start(args, prompt_cache=None, wait: float | None = 300.0) -> Server:
     cli_args = mlx_lm_arguments(args)
     options = cache_options(args)
     SchemeCaches(None, args.scheme, None, **options)  # refuse a bad scheme before loading anything
-    provider = SchemeModelProvider(cli_args, args.scheme, options)
     cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)
+    provider = SchemeModelProvider(cli_args, args.scheme, options, on_load=getattr(cache, "bind", None))
     generator = ServingResponseGenerator(provider, cache, args.max_context)
     if wait is not None and not generator.ready.wait(wait):
         generator.stop_and_join()
         raise MLXKVError(f"the model {args.model!r} did not load within {wait:.0f} s")
     if generator.load_error is not None:
+        generator.stop_and_join()
         raise MLXKVError(f"cannot load the model {args.model!r}: {generator.load_error}")
     family, _, _, _, address = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
     server_class = type("MLXKVHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
@@ -226,4 +235,4 @@ def start(args, prompt_cache=None, wait: float | None = 300.0) -> Server:
     httpd = server_class(
         address[:2], lambda *a, **k: ServingHandler(generator, *a, system_fingerprint=fingerprint, **k)
     )
-    return Server(httpd, generator)
+    return Server(httpd, generator, cache)

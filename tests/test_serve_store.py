@@ -1,0 +1,152 @@
+"""``mlxkv serve --store DIR --redis URL``: the server's prompt cache is a PromptStore. A
+shared system prompt is forwarded once; a restarted server finds its prefixes in the
+directory; a second server with an empty directory finds them in Redis (a real
+redis-server on a private socket). Real HTTP on loopback; answers checked against
+``mlx_lm.generate`` resuming the same prefix."""
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from store_helpers import RedisServer
+
+import mlxkv
+from mlxkv.seeded import prompt, save_model_dir
+from mlxkv.serve import options
+from mlxkv.serve.server import start
+
+SCHEME = "kv8-g32"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model_dir("llama", str(tmp_path_factory.mktemp("seeded-llama")))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return mlx_lm.load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    s = RedisServer()
+    yield s
+    s.stop()
+
+
+def answer(loaded, tokens, cached, max_tokens):
+    """What the server must answer: ``mlx_lm.generate`` on caches of the scheme that hold the
+    first ``cached`` tokens (prefilled alone, as the stored entry was), then the rest."""
+    model, tokenizer = loaded
+    caches = mlxkv.make_cache(model, SCHEME)
+    if cached:
+        mx.eval(model(mx.array(tokens[:cached])[None], cache=caches))
+    return mlx_lm.generate(model, tokenizer, tokens[cached:], max_tokens=max_tokens, prompt_cache=caches)
+
+
+def words(tokens):
+    return " ".join(f"<{t:02x}>" for t in tokens)
+
+
+def complete(port, tokens, max_tokens=6):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = json.loads(response.read())
+    conn.close()
+    assert response.status == 200, data
+    cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return data["choices"][0]["text"], cached
+
+
+class Running:
+    def __init__(self, argv):
+        self.server = start(options.parse(argv))
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.thread.join(10)
+
+
+def serve(model_dir, *extra):
+    return Running(["--model", model_dir, "--scheme", SCHEME, "--port", "0", *extra])
+
+
+def snapshot_files(directory):
+    return [n for _, _, names in os.walk(directory) for n in names if n.endswith(".safetensors")]
+
+
+def test_a_shared_prefix_survives_a_restart_and_spans_servers(model_dir, loaded, redis_server, tmp_path):
+    redis_server.client().flushall()
+    system = prompt(80, seed=21)  # a system prompt every request starts with
+    first, second = system + prompt(9, seed=22), system + prompt(12, seed=23)
+    a = serve(model_dir, "--store", str(tmp_path / "a"), "--redis", redis_server.url)
+    try:
+        text, cached = complete(a.server.port, first)
+        assert cached == 0 and text == answer(loaded, first, 0, 6)
+        text, cached = complete(a.server.port, second)  # the system prompt is not forwarded again
+        assert cached >= len(system) and text == answer(loaded, second, cached, 6)
+    finally:
+        a.stop()  # the store closes: its queued writes reach the directory and Redis
+    assert snapshot_files(tmp_path / "a")
+    assert redis_server.client().dbsize() > 0
+
+    third = system + prompt(7, seed=24)
+    b = serve(model_dir, "--store", str(tmp_path / "a"))  # restarted on the same directory
+    try:
+        text, cached = complete(b.server.port, third)
+        assert cached >= len(system) and text == answer(loaded, third, cached, 6)
+    finally:
+        b.stop()
+    c = serve(model_dir, "--redis", redis_server.url)  # another server: RAM empty, no directory
+    try:
+        text, cached = complete(c.server.port, third)
+        assert cached >= len(system) and text == answer(loaded, third, cached, 6)
+    finally:
+        c.stop()
+
+
+def test_the_command_writes_its_store_when_stopped(model_dir, loaded, tmp_path):
+    """``mlxkv serve --store`` stopped by SIGTERM (a service manager) exits 0 with every
+    prompt it served in the directory."""
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "mlxkv.cli", "serve", "--model", model_dir, "--scheme", SCHEME]
+    cmd += ["--port", "0", "--store", str(store)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = None
+        for line in proc.stderr:
+            found = re.search(r"at http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port, "the server did not report its address"
+        tokens = prompt(40, seed=31)
+        text, cached = complete(port, tokens)
+        assert cached == 0 and text == answer(loaded, tokens, 0, 6)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+        rest = proc.stderr.read()
+    assert rc == 0, rest[-2000:]
+    assert snapshot_files(store)
+    with mlxkv.PromptStore(loaded[0], loaded[1], cap=1 << 26, directory=str(store), scheme=SCHEME) as s:
+        hit = s.take(tokens + [5])
+        assert hit is not None and hit.prefix_len >= len(tokens) and hit.tier == "disk"
+
+
+def test_a_store_option_without_a_model_load_is_refused_cleanly(tmp_path):
+    with pytest.raises(mlxkv.MLXKVError, match="cannot load the model"):
+        start(options.parse(["--model", str(tmp_path / "missing"), "--port", "0", "--store", str(tmp_path / "s")]))
