@@ -3,17 +3,15 @@ seeded model saved to a model directory, spoken to by a real HTTP client (``http
 
 import http.client
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from serve_helpers import serve_process, words
 
 import mlxkv
 from mlxkv.batched.attention import BatchedKVCache
@@ -53,10 +51,6 @@ def server(model_dir):
     yield srv
     srv.shutdown()
     thread.join(10)
-
-
-def words(tokens):
-    return " ".join(f"<{t:02x}>" for t in tokens)
 
 
 def distinct_prompts(n, lengths):
@@ -177,17 +171,8 @@ def test_options_that_would_replace_the_caches_are_refused(model_dir, capsys):
 
 def test_the_mlxkv_serve_command(model_dir, reference):
     """The command as a user runs it: a process that prints its address and serves."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "mlxkv.cli", "serve", "--model", model_dir, "--scheme", SCHEME, "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    proc, port = serve_process("--model", model_dir, "--scheme", SCHEME)
     try:
-        port = None
-        for line in proc.stderr:
-            found = re.search(r"at http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                port = int(found.group(1))
-                break
-        assert port, "the server did not report its address"
         (p,) = distinct_prompts(60, (14,))
         status, data = request(port, "/v1/completions", {"prompt": words(p), "max_tokens": 7})
         assert status == 200 and data["choices"][0]["text"] == reference(p, 7)

@@ -7,15 +7,13 @@ redis-server on a private socket). Real HTTP on loopback; answers checked agains
 import http.client
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from serve_helpers import serve_process, words
 from store_helpers import RedisServer
 
 import mlxkv
@@ -51,10 +49,6 @@ def answer(loaded, tokens, cached, max_tokens):
     if cached:
         mx.eval(model(mx.array(tokens[:cached])[None], cache=caches))
     return mlx_lm.generate(model, tokenizer, tokens[cached:], max_tokens=max_tokens, prompt_cache=caches)
-
-
-def words(tokens):
-    return " ".join(f"<{t:02x}>" for t in tokens)
 
 
 def complete(port, tokens, max_tokens=6):
@@ -122,17 +116,8 @@ def test_the_command_writes_its_store_when_stopped(model_dir, loaded, tmp_path):
     """``mlxkv serve --store`` stopped by SIGTERM (a service manager) exits 0 with every
     prompt it served in the directory."""
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "mlxkv.cli", "serve", "--model", model_dir, "--scheme", SCHEME]
-    cmd += ["--port", "0", "--store", str(store)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, port = serve_process("--model", model_dir, "--scheme", SCHEME, "--store", str(store))
     try:
-        port = None
-        for line in proc.stderr:
-            found = re.search(r"at http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                port = int(found.group(1))
-                break
-        assert port, "the server did not report its address"
         tokens = prompt(40, seed=31)
         text, cached = complete(port, tokens)
         assert cached == 0 and text == answer(loaded, tokens, 0, 6)
