@@ -55,6 +55,17 @@ def open_regular(path: str) -> int:
         raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
 
 
+def regular_stat(fd: int, path: str) -> os.stat_result:
+    """The status of the open ``fd``, refused unless it is a regular file."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise SnapshotError(f"{path}: cannot read: not a regular file")
+    return st
+
+
 def read_exactly(fd: int, n: int, offset: int) -> bytes:
     """Up to ``n`` bytes of ``fd`` at ``offset``; fewer only at the end of the file."""
     parts, got = [], 0
@@ -81,12 +92,7 @@ class TensorFile:
         self.path = path
         self.fd = open_regular(path) if fd is None else fd
         try:
-            try:
-                st = os.fstat(self.fd)
-            except OSError as e:
-                raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
-            if not stat.S_ISREG(st.st_mode):
-                raise SnapshotError(f"{path}: cannot read: not a regular file")
+            st = regular_stat(self.fd, path)
             self.size, self.identity = st.st_size, file_identity(st)
             self._read_header()
         except BaseException:
