@@ -376,65 +376,72 @@ def read_mlx_bun(path: str) -> MlxBunHeader:
 # -- format 5: blocks --------------------------------------------------------------------------
 
 
-def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, out: memoryview, verify: bool) -> None:
-    """Block ``digest`` into ``out`` (``n`` bytes), through one descriptor: its size, and with
-    ``verify`` its sha256, are checked on the very bytes that are kept."""
-    where, path = h.where, os.path.join(h.blocks_dir, digest)
+_BLOCK_CHUNK = 1 << 20  # bytes a block is verified in when nothing is kept
 
-    def refuse(why: str):
-        raise CorruptSnapshotError(f"{where}: tensor {slot.info.name}: block {digest} {why}")
 
+def _block_path(h: MlxBunHeader, digest: str) -> str:
+    return os.path.join(h.blocks_dir, digest)
+
+
+def _refuse_block(h: MlxBunHeader, slot: Slot, digest: str, why: str):
+    raise CorruptSnapshotError(f"{h.where}: tensor {slot.info.name}: block {digest} {why}")
+
+
+def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, into: bytearray | None, verify: bool) -> None:
+    """Block ``digest`` (``n`` bytes) through one descriptor: its size checked on that
+    descriptor before anything is allocated for it, its bytes appended to ``into`` (or,
+    when nothing is kept, read through a buffer of at most 1 MiB) and, with ``verify``, its
+    sha256 taken over the very bytes read."""
     try:
-        fd = open_regular(path)
+        fd = open_regular(_block_path(h, digest))
     except SnapshotError as e:
-        refuse(f"cannot be read ({str(e).rsplit(': ', 1)[-1]})")
+        _refuse_block(h, slot, digest, f"cannot be read ({str(e).rsplit(': ', 1)[-1]})")
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            refuse("cannot be read (not a regular file)")
+            _refuse_block(h, slot, digest, "cannot be read (not a regular file)")
         if st.st_size != n:
-            refuse(f"holds {st.st_size} bytes, the header says {n}")
-        got = 0
-        while got < n:
-            k = os.preadv(fd, [out[got:n]], got) if hasattr(os, "preadv") else _pread_into(fd, out[got:n], got)
-            if not k:
-                refuse(f"holds {got} bytes, the header says {n} (cut short while reading)")
-            got += k
+            _refuse_block(h, slot, digest, f"holds {st.st_size} bytes, the header says {n}")
+        sha = hashlib.sha256() if verify else None
+        if into is None:
+            at, buf = 0, bytearray(min(n, _BLOCK_CHUNK))
+        else:
+            at, buf = len(into), into
+            into.extend(bytes(n))  # the block's size is on disk: what this allocates is really there
+        with memoryview(buf) as mv:
+            got = 0
+            while got < n:
+                view = mv[at + got : at + n] if into is not None else mv[: min(len(mv), n - got)]
+                k = os.preadv(fd, [view], got)
+                if not k:
+                    _refuse_block(h, slot, digest, f"holds {got} bytes, the header says {n} (cut short while reading)")
+                if sha is not None:
+                    sha.update(view[:k])
+                got += k
     except OSError as e:
-        refuse(f"cannot be read ({e.strerror or e})")
+        _refuse_block(h, slot, digest, f"cannot be read ({e.strerror or e})")
     finally:
         os.close(fd)
-    if verify and hashlib.sha256(out[:n]).hexdigest() != digest:
-        refuse("does not match its sha256 name: KV block hash mismatch")
-
-
-def _pread_into(fd: int, out: memoryview, offset: int) -> int:  # pragma: no cover - systems without preadv
-    b = os.pread(fd, len(out), offset)
-    out[: len(b)] = b
-    return len(b)
-
-
-def read_block_bytes(h: MlxBunHeader, slot: Slot, out: memoryview, verify: bool) -> None:
-    """A format-5 slot's bytes into ``out``: its blocks in order (``_read_block``)."""
-    pos = 0
-    for digest, n in slot.blocks:
-        _read_block(h, slot, digest, n, out[pos : pos + n], verify)
-        pos += n
+    if sha is not None and sha.hexdigest() != digest:
+        _refuse_block(h, slot, digest, "does not match its sha256 name: KV block hash mismatch")
 
 
 def verify_blocks(h: MlxBunHeader, slot: Slot) -> None:
-    """Refuse a format-5 slot whose blocks are missing, of the wrong size or damaged; reads
-    one block at a time into a reused buffer."""
-    buf = memoryview(bytearray(max((n for _, n in slot.blocks), default=0)))
+    """Refuse a format-5 slot whose blocks are missing, of the wrong size or damaged; keeps
+    nothing (each block is hashed through a buffer of at most 1 MiB)."""
     for digest, n in slot.blocks:
-        _read_block(h, slot, digest, n, buf[:n], True)
+        _read_block(h, slot, digest, n, None, True)
 
 
 def read_block_tensor(h: MlxBunHeader, slot: Slot, verify: bool) -> mx.array:
-    """A format-5 slot as an MLX array (its blocks checked as ``_read_block`` does)."""
-    raw = np.empty(slot.nbytes, np.uint8)
-    read_block_bytes(h, slot, memoryview(raw), verify)
-    a = mx.array(raw.view(np.dtype(DTYPES[slot.info.dtype][1]).newbyteorder("<")).reshape(slot.info.shape))
+    """A format-5 slot as an MLX array: its blocks read in order (``_read_block``), the
+    bytes growing block by block, so what is allocated never exceeds the block bytes really
+    on disk, whatever the header claims."""
+    raw = bytearray()
+    for digest, n in slot.blocks:
+        _read_block(h, slot, digest, n, raw, verify)
+    a = np.frombuffer(raw, np.dtype(DTYPES[slot.info.dtype][1]).newbyteorder("<")).reshape(slot.info.shape)
+    a = mx.array(a)
     return a.view(mx.bfloat16) if slot.info.dtype == "BF16" else a
 
 

@@ -447,11 +447,12 @@ def save_mlx_bun(
 
 def file_format(path: str) -> str:
     """``"mlx-bun"``, ``"mlxkv"`` (a snapshot) or ``"mlx-lm"`` (any other safetensors file)."""
-    if container.is_mlx_bun_file(path):
-        return "mlx-bun"
-    from ..io.safetensors import read_safetensors_header
+    from ..io.containers import open_container
 
-    return "mlxkv" if "mlxkv" in read_safetensors_header(path).metadata else "mlx-lm"
+    with open_container(path) as f:
+        if isinstance(f, container.MlxBunFile):
+            return "mlx-bun"
+        return "mlxkv" if "mlxkv" in f.header.metadata else "mlx-lm"
 
 
 def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **identity) -> dict:
@@ -501,9 +502,12 @@ def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **ide
     raise SnapshotError(f"unknown snapshot format {to!r}: 'mlxkv' or 'mlx-bun'")
 
 
-def describe(path: str) -> tuple[list, list, list]:
-    """What ``mlxkv inspect`` prints for an mlx-bun file: (general rows, table headers, rows)."""
-    f = container.read_mlx_bun(path)
+def describe(source) -> tuple[list, list, list]:
+    """What ``mlxkv inspect`` prints for an mlx-bun file (a path or an open
+    :class:`~mlxkv.io.mlxbun.MlxBunFile`): (general rows, table headers, rows)."""
+    with _opened(source) as opened:
+        f = opened.header
+    path = f.path
     header, layers = translate(f)
     raw = f.header
     tokens = header["tokens"]
