@@ -8,7 +8,7 @@ which, and what the entry fields mean, is the state layer's business (``state/ml
 
 Reading: an :class:`MlxBunFile` is opened once (a :class:`~mlxkv.io.tensor_file.TensorFile`,
 like mlxkv's own ``SafetensorsFile``); its ``header`` (:class:`MlxBunHeader`) is checked
-before a tensor byte is read (docs/mlx-bun.md section 8, steps 1-10: the prefix, the header
+before a tensor byte is read (docs/mlx-bun.md section 8, steps 1-9: the prefix, the header
 hash, JSON as I-JSON restricts it, the version, every slot's ``off``, ``bytes``, ``shape``,
 ``dtype``, hash and blocks with exact integer arithmetic, the byte ranges against the file,
 the attachments), and :class:`~mlxkv.io.tensor_reader.TensorReader` reads the tensors of a
@@ -232,7 +232,7 @@ def _parse_blocks(where: str, name: str, raw, nbytes: int) -> list[tuple[str, in
 
 
 def parse_slot(where: str, name: str, raw, version: int) -> tuple:
-    """(dtype name, shape, code, off, bytes, hash, blocks) of one slot, each checked (step 7)."""
+    """(dtype name, shape, code, off, bytes, hash, blocks) of one slot, each checked (step 8)."""
     keys = SLOT_KEYS | {"blocks"} if version == 5 else SLOT_KEYS
     if type(raw) is not dict or raw.keys() != keys:
         _damaged(where, f"tensor slot {name} is not an object of exactly {', '.join(sorted(keys))}")
@@ -276,7 +276,7 @@ def _check_metadata(where: str, i: int, raw: dict) -> None:
 
 
 def _groups(where: str, doc: dict, version: int, data_start: int) -> dict:
-    """Steps 6-7: ``caches`` and ``attachments`` as lists of slot lists."""
+    """Step 7, and step 8 per slot: ``caches`` and ``attachments`` as lists of slot lists."""
     if type(doc.get("caches")) is not list:
         _damaged(where, "caches must be a list")
     attachments = doc.get("attachments")
@@ -307,7 +307,7 @@ def _groups(where: str, doc: dict, version: int, data_start: int) -> dict:
 
 
 def _check_ranges(where: str, slots: list[Slot], data_start: int, size: int) -> None:
-    """Step 8 (formats 3, 4): every stored tensor inside the file, none overlapping, and
+    """Step 9 (formats 3, 4): every stored tensor inside the file, none overlapping, and
     nothing after the last (nor the padding before ``dataStart`` missing)."""
     spans = sorted((s.info.begin, s.info.end, s.info.name) for s in slots if s.nbytes)
     for _, end, name in spans:
@@ -323,7 +323,7 @@ def _check_ranges(where: str, slots: list[Slot], data_start: int, size: int) -> 
 
 def parse_header(doc, header_len: int, data_start: int, header_hash: int, size: int, path: str) -> MlxBunHeader:
     """Check the parsed JSON header ``doc`` of a ``size``-byte file whose prefix says
-    ``header_len`` and ``data_start`` (steps 4-8 of docs/mlx-bun.md section 8). Pure: no I/O."""
+    ``header_len`` and ``data_start`` (steps 4-9 of docs/mlx-bun.md section 8). Pure: no I/O."""
     where = _where(path)
     if type(doc) is not dict:
         _damaged(where, "damaged header: not a JSON object")
@@ -527,7 +527,7 @@ def prefix_bytes(header_json: bytes, data_start: int) -> bytes:
 
 def planned(path: str, header: dict) -> MlxBunHeader:
     """``header`` (slots made by :func:`new_slot`) laid out as the whole layout writes it,
-    and checked as a reader checks a file (steps 4-8 of docs/mlx-bun.md section 8), before
+    and checked as a reader checks a file (steps 4-9 of docs/mlx-bun.md section 8), before
     anything is written: a write never leaves a file a reader refuses."""
     slots = lay_out(header)
     try:

@@ -114,7 +114,7 @@ def _corrupt(where: str, why: str):
 
 
 def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Layer:
-    """The mlxkv entry of mlx-bun entry ``i`` (step 11 of docs/mlx-bun.md section 8)."""
+    """The mlxkv entry of mlx-bun entry ``i`` (step 12 of docs/mlx-bun.md section 8)."""
     kind = raw.get("kind")
     if type(kind) is not str:
         _corrupt(where, f"cache entry {i}: kind {str(kind)[:40]!r} is not a string")
@@ -179,7 +179,7 @@ def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Lay
 
 
 def translate(f: container.MlxBunHeader) -> tuple[dict, list]:
-    """(the mlxkv header of an mlx-bun file, its layers): steps 9-11 of docs/mlx-bun.md
+    """(the mlxkv header of an mlx-bun file, its layers): steps 10-13 of docs/mlx-bun.md
     section 8 over a checked container; reads no tensor."""
     where, raw = f.where, f.header
     provider = raw.get("codecProvider", container.CODEC_PROVIDER)
