@@ -408,15 +408,15 @@ def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, into: bytearra
         else:
             at, buf = len(into), into
             into.extend(bytes(n))  # the block's size is on disk: what this allocates is really there
-        with memoryview(buf) as mv:
+        with memoryview(buf) as mv:  # slices only as temporaries: ``into`` grows again after
             got = 0
             while got < n:
-                view = mv[at + got : at + n] if into is not None else mv[: min(len(mv), n - got)]
-                k = os.preadv(fd, [view], got)
+                lo, hi = (at + got, at + n) if into is not None else (0, min(len(mv), n - got))
+                k = os.preadv(fd, [mv[lo:hi]], got)
                 if not k:
                     _refuse_block(h, slot, digest, f"holds {got} bytes, the header says {n} (cut short while reading)")
                 if sha is not None:
-                    sha.update(view[:k])
+                    sha.update(mv[lo : lo + k])
                 got += k
     except OSError as e:
         _refuse_block(h, slot, digest, f"cannot be read ({e.strerror or e})")
