@@ -1,13 +1,15 @@
 """The fuzz suite at full size: seeded damaged and crafted snapshots, outcomes classified.
 
-    python benchmarks/fuzz_snapshots.py [--cases 50000 --seed 0 --workers 2]
+    python benchmarks/fuzz_snapshots.py [--cases 50000 --seed 0 --workers 2] [--container mlx-bun]
 
 Cases are tests/fuzzing.py's (every persisted kind, the three seeded architectures; bit
 flips, truncations, appended bytes, valid-JSON edits of both headers, crafted headers with
 recomputed checksums, hostile sizes). They run in worker processes, each case in-process
 under a watchdog; a worker that dies (a crash) or stops answering (a hang the watchdog could
 not interrupt) is replaced and the case it was on is recorded as that defect. Prints the
-table of outcomes per mutation and exits 1 if any case is a defect.
+table of outcomes per mutation and exits 1 if any case is a defect. ``--container mlx-bun``
+runs tests/fuzzing_mlxbun.py's cases instead: mlx-bun cache files (formats 3, 4, 5) bit
+flipped, cut, crafted, hostile, JSON bombs, damaged blocks.
 
     python benchmarks/fuzz_snapshots.py --parity 5000
 
@@ -33,17 +35,44 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 STALL_SECONDS = 120.0  # a worker silent this long on one case is hung beyond the watchdog
+CONTAINERS = ("mlxkv", "mlx-bun")
 
 
-def worker(seed: int, start: int, stop: int, directory: str) -> int:
-    import fuzzing
+class Suite:
+    """The cases of one container: mlxkv snapshots (tests/fuzzing.py) or mlx-bun files
+    (tests/fuzzing_mlxbun.py), each in a working directory of its own."""
 
-    corpus = fuzzing.Corpus()
-    path = os.path.join(directory, f"case-{os.getpid()}.safetensors")
+    def __init__(self, container: str, directory: str):
+        import fuzzing
+
+        self.bun = container == "mlx-bun"
+        os.makedirs(directory, exist_ok=True)
+        if self.bun:
+            import fuzzing_mlxbun
+
+            self.module, self.corpus = fuzzing_mlxbun, fuzzing_mlxbun.BunCorpus(directory)
+        else:
+            self.module, self.corpus = fuzzing, fuzzing.Corpus()
+        self.path = os.path.join(directory, f"case-{os.getpid()}.safetensors")
+
+    def case(self, seed: int, i: int) -> tuple:
+        """(base, mutation, bytes, expectation, block edits)."""
+        if self.bun:
+            return self.module.make_case(self.corpus, seed, i)
+        return (*self.module.make_case(self.corpus, seed, i), {})
+
+    def run(self, name, data, expect, edits, with_model) -> tuple[str, str]:
+        if self.bun:
+            return self.module.run_bun_case(self.corpus, name, data, expect, edits, with_model)
+        return self.module.run_case(self.corpus, self.path, name, data, expect, with_model)
+
+
+def worker(seed: int, start: int, stop: int, directory: str, container: str = "mlxkv") -> int:
+    suite = Suite(container, os.path.join(directory, f"w{os.getpid()}"))
     for i in range(start, stop):
         print(json.dumps({"start": i}), flush=True)
-        name, mutation, data, expect = fuzzing.make_case(corpus, seed, i)
-        outcome, detail = fuzzing.run_case(corpus, path, name, data, expect, with_model=i % 4 == 0)
+        name, mutation, data, expect, edits = suite.case(seed, i)
+        outcome, detail = suite.run(name, data, expect, edits, with_model=i % 4 == 0)
         print(
             json.dumps({"i": i, "base": name, "mutation": mutation, "outcome": outcome, "detail": detail}), flush=True
         )
@@ -53,12 +82,12 @@ def worker(seed: int, start: int, stop: int, directory: str) -> int:
 class Worker:
     """A worker process; a thread forwards each line it prints (then None at its end)."""
 
-    def __init__(self, seed, start, stop, directory, lines: queue.Queue):
+    def __init__(self, seed, start, stop, directory, lines: queue.Queue, container="mlxkv"):
         self.stop = stop
         self.current = None
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", "--seed", str(seed), "--start", str(start), "--stop", str(stop)]
-            + ["--dir", directory],
+            + ["--dir", directory, "--container", container],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -73,13 +102,15 @@ class Worker:
         lines.put((self, None))
 
 
-def run(cases: int, seed: int, workers: int, directory: str, log=print):
+def run(cases: int, seed: int, workers: int, directory: str, log=print, container="mlxkv"):
     import fuzzing
 
     per = -(-cases // workers)
     lines = queue.Queue()
     active = {
-        Worker(seed, k * per, min(cases, (k + 1) * per), directory, lines) for k in range(workers) if k * per < cases
+        Worker(seed, k * per, min(cases, (k + 1) * per), directory, lines, container)
+        for k in range(workers)
+        if k * per < cases
     }
     table = collections.Counter()
     defects = []
@@ -94,7 +125,7 @@ def run(cases: int, seed: int, workers: int, directory: str, log=print):
         if done % 5000 == 0:
             log(f"  {done}/{cases} cases, {time.monotonic() - t0:.0f} s, {len(defects)} defects", file=sys.stderr)
 
-    corpus = None
+    suite = None
     while active:
         try:
             w, line = lines.get(timeout=5.0)
@@ -119,29 +150,28 @@ def run(cases: int, seed: int, workers: int, directory: str, log=print):
             x.proc.wait()
             active.discard(x)
             if x.current is not None:  # the case it was on killed it, or hung it
-                corpus = corpus or fuzzing.Corpus()
-                _, mutation, _, _ = fuzzing.make_case(corpus, seed, x.current)
+                suite = suite or Suite(container, os.path.join(directory, "parent"))
+                mutation = suite.case(seed, x.current)[1]
                 why = "hang" if stalled else "crash"
                 record(x.current, mutation, why, f"worker {'stalled' if stalled else f'exit {x.proc.returncode}'}")
                 if x.current + 1 < x.stop:
-                    active.add(Worker(seed, x.current + 1, x.stop, directory, lines))
+                    active.add(Worker(seed, x.current + 1, x.stop, directory, lines, container))
     return table, defects, time.monotonic() - t0
 
 
-def print_table(table, defects, cases, seconds, seed):
+def print_table(table, defects, cases, seconds, seed, container="mlxkv"):
     import fuzzing
+    import fuzzing_mlxbun
 
+    mutations = fuzzing_mlxbun.MUTATIONS if container == "mlx-bun" else fuzzing.MUTATIONS
     columns = list(fuzzing.OUTCOMES) + list(fuzzing.DEFECTS)
-    rows = [
-        [m] + [str(table[(m, c)]) for c in columns] + [str(sum(table[(m, c)] for c in columns))]
-        for m in fuzzing.MUTATIONS
-    ]
-    totals = ["total"] + [str(sum(table[(m, c)] for m in fuzzing.MUTATIONS)) for c in columns]
+    rows = [[m] + [str(table[(m, c)]) for c in columns] + [str(sum(table[(m, c)] for c in columns))] for m in mutations]
+    totals = ["total"] + [str(sum(table[(m, c)] for m in mutations)) for c in columns]
     totals.append(str(sum(table.values())))
     headers = ["mutation"] + columns + ["cases"]
     widths = [max(len(r[k]) for r in [headers, *rows, totals]) for k in range(len(headers))]
     line = lambda cells: "  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(cells, widths)))
-    print(f"fuzz: {cases} cases, seed {seed}, {seconds:.0f} s")
+    print(f"fuzz ({container} files): {cases} cases, seed {seed}, {seconds:.0f} s")
     print(line(headers))
     print("  ".join("-" * w for w in widths))
     for r in rows:
@@ -193,6 +223,7 @@ def main(argv=None):
     p.add_argument("--cases", type=int, default=50000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--container", choices=CONTAINERS, default="mlxkv", help="which files to fuzz")
     p.add_argument("--json", help="also write the table and defects here")
     p.add_argument("--parity", type=int, default=0, metavar="N", help="compare N cases with the TypeScript reader")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -201,13 +232,13 @@ def main(argv=None):
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.seed, args.start, args.stop, args.dir)
+        return worker(args.seed, args.start, args.stop, args.dir, args.container)
     if args.parity:
         with tempfile.TemporaryDirectory(prefix="mlxkv-parity-") as d:
             return parity(args.parity, args.seed, d)
     with tempfile.TemporaryDirectory(prefix="mlxkv-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        table, defects, seconds = run(args.cases, args.seed, args.workers, d)
-    print_table(table, defects, args.cases, seconds, args.seed)
+        table, defects, seconds = run(args.cases, args.seed, args.workers, d, container=args.container)
+    print_table(table, defects, args.cases, seconds, args.seed, args.container)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"table": {f"{m}/{o}": n for (m, o), n in table.items()}, "defects": defects}, f, indent=1)

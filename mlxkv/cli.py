@@ -98,14 +98,14 @@ def layers_by_kind(kinds: list[str]) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .io.mlxbun import is_mlx_bun_file
-    from .io.safetensors import SafetensorsFile
+    from .io.containers import open_container
+    from .io.mlxbun import MlxBunFile
     from .state.checkpoint import describe as describe_checkpoint
     from .state.header import check_header
 
-    if is_mlx_bun_file(args.file):  # hook: mlx-bun's format (state/mlxbun.py describes it)
-        return _inspect_mlx_bun(args.file)
-    with SafetensorsFile(args.file) as file:  # one file, however the path is renamed over
+    with open_container(args.file) as file:  # one file, however the path is renamed over
+        if isinstance(file, MlxBunFile):  # hook: mlx-bun's format (state/mlxbun.py describes it)
+            return _inspect_mlx_bun(file)
         st = file.header
         header = check_header(st)
     tokens = header["tokens"]
@@ -149,10 +149,10 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _inspect_mlx_bun(path: str) -> int:
+def _inspect_mlx_bun(file) -> int:
     from .state.mlxbun import describe
 
-    general, headers, rows = describe(path)
+    general, headers, rows = describe(file)
     width = max(len(k) for k, _ in general)
     for k, v in general:
         print(f"{k.ljust(width)}  {v}")

@@ -1,7 +1,7 @@
 """Crash consistency, concurrent replace and clean exits, run as processes really run.
 
     python tests/stress.py crash DIR [--kills 100]
-    python tests/stress.py concurrency DIR [--savers 4 --loaders 4 --seconds 20]
+    python tests/stress.py concurrency DIR [--savers 4 --loaders 4 --seconds 20 --format mixed]
     python tests/stress.py fresh DIR [--processes 200 --parallel 2]
 
 Each mode prints one JSON line of counts (the tests in test_stress.py and
@@ -11,6 +11,10 @@ benchmarks/snapshot_stress.py read it).
 saver, loader and checker is a forked child that does its MLX work itself (the parent never
 starts MLX's threads, so forking stays safe), and ends with ``os._exit``. ``fresh`` runs tiny
 scripts in fresh interpreters, because an abort at interpreter shutdown shows only there.
+
+``concurrency --format`` picks what savers write: ``mlxkv`` snapshots (the default), mlx-bun
+files (``mlx-bun``: formats 3 and 5 in turn), or all three in turn (``mixed``), so that a
+loader also meets a file of another container renamed over the path.
 
 What a snapshot holds identifies its save: generation ``g`` has ``tokens = [g] * T`` and
 every key and value equal to ``g % 256``, so a load that mixed two files, or a torn file,
@@ -43,14 +47,23 @@ def _caches(g: int):
     return caches
 
 
-def _save(path: str, g: int, fsync: bool, pause: float = 0.0):
+#: what generation ``g`` is saved as, per ``--format``: mlxkv, mlx-bun whole (format 3), blocks (5)
+FORMATS = {"mlxkv": ("mlxkv",), "mlx-bun": ("whole", "blocks"), "mixed": ("mlxkv", "whole", "blocks")}
+
+
+def _save(path: str, g: int, fsync: bool, pause: float = 0.0, fmt: str = "mlxkv"):
     import mlxkv
+    from mlxkv.state.mlxbun import save_mlx_bun
 
     def slow(done, total):
         if pause:
             time.sleep(pause)
 
-    mlxkv.save(path, _caches(g), [g] * ROWS, progress=slow, fsync=fsync)
+    as_ = FORMATS[fmt][g % len(FORMATS[fmt])]
+    if as_ == "mlxkv":
+        mlxkv.save(path, _caches(g), [g] * ROWS, progress=slow, fsync=fsync)
+    else:
+        save_mlx_bun(path, _caches(g), [g] * ROWS, layout=as_, progress=slow, fsync=fsync)
 
 
 def _whole(path: str):
@@ -131,10 +144,10 @@ def _check_into(path: str, w: int):
         f.write(json.dumps({"generation": g, "error": why}))
 
 
-def _saver(path: str, first: int, step: int, until: float):
+def _saver(path: str, first: int, step: int, until: float, fmt: str):
     g = first
     while time.time() < until:
-        _save(path, g, True)
+        _save(path, g, True, fmt=fmt)
         g += step
 
 
@@ -153,22 +166,23 @@ def _loader(path: str, until: float, w: int):
         f.write(json.dumps(counts))
 
 
-def concurrency(directory: str, savers: int, loaders: int, seconds: float) -> dict:
+def concurrency(directory: str, savers: int, loaders: int, seconds: float, fmt: str = "mlxkv") -> dict:
     """``savers`` processes save to one path while ``loaders`` load from it: no load may be
     refused (a whole snapshot is always there) or mix two saves."""
     path = os.path.join(directory, "s.safetensors")
-    pid = _child(_save, path, 0, True)
+    pid = _child(_save, path, 0, True, 0.0, fmt)
     os.waitpid(pid, 0)
     until = time.time() + seconds
     children, pipes = [], []
     for s in range(savers):
-        children.append(_child(_saver, path, s + 1, savers, until))
+        children.append(_child(_saver, path, s + 1, savers, until, fmt))
     for _ in range(loaders):
         r, w = os.pipe()
         children.append(_child(_loader, path, until, w))
         os.close(w)
         pipes.append(r)
-    total = {"savers": savers, "loaders": loaders, "seconds": seconds, "loads": 0, "whole": 0, "refused": 0}
+    total = {"savers": savers, "loaders": loaders, "seconds": seconds, "format": fmt}
+    total.update(loads=0, whole=0, refused=0)
     total.update(mixed=0, examples=[])
     for r in pipes:
         with os.fdopen(r) as f:
@@ -306,6 +320,7 @@ def main(argv=None):
     p.add_argument("--processes", type=int, default=200)
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=tuple(FORMATS), default="mlxkv")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import mlxkv  # noqa: F401 - imported before any fork, so children share it
@@ -313,7 +328,7 @@ def main(argv=None):
     if args.mode == "crash":
         out = crash(args.dir, args.kills, args.seed)
     elif args.mode == "concurrency":
-        out = concurrency(args.dir, args.savers, args.loaders, args.seconds)
+        out = concurrency(args.dir, args.savers, args.loaders, args.seconds, args.format)
     else:
         out = fresh(args.dir, args.processes, args.parallel)
     print(json.dumps(out), flush=True)

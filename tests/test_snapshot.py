@@ -234,8 +234,6 @@ def test_failed_save_keeps_the_previous_snapshot(saved):
 def test_a_write_the_file_system_refuses_is_ours_and_an_oserror(saved, monkeypatch, tmp_path):
     import errno
 
-    from mlxkv.io import safetensors as safetensors_io
-
     path, model, caches, tokens = saved
     with pytest.raises(mlxkv.SnapshotWriteError, match="cannot create a file in") as e:
         mlxkv.save(str(tmp_path / "no-such-dir" / "s.safetensors"), caches, tokens)
@@ -246,7 +244,7 @@ def test_a_write_the_file_system_refuses_is_ours_and_an_oserror(saved, monkeypat
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors_io.os, "fsync", full)
+    monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(mlxkv.SnapshotWriteError, match="No space left.*unchanged") as e:
         mlxkv.save(path, caches, tokens)
     assert e.value.errno == errno.ENOSPC

@@ -6,12 +6,15 @@ the header hash (Zig's wyhash), the JSON header's ``caches`` / ``attachments`` l
 tensor slots, mlx-c dtype codes, byte ranges, blocks. It knows no cache kind: which slot is
 which, and what the entry fields mean, is the state layer's business (``state/mlxbun.py``).
 
-Reading gives an :class:`MlxBunFile`: the raw header dict, and per slot a
-:class:`~mlxkv.io.safetensors.TensorInfo` with absolute file offsets, so that
-:class:`~mlxkv.io.tensor_reader.TensorReader` reads the tensors of a "whole" file into MLX
-arrays unchanged (``MlxBunFile.tensor_source()``). Every check that needs no tensor byte is
-done on reading: the header hash (always), the version, every slot's ``off``/``bytes``/
-``shape``/``dtype`` and hash format, and that every byte range lies inside the file.
+Reading: an :class:`MlxBunFile` is opened once (a :class:`~mlxkv.io.tensor_file.TensorFile`,
+like mlxkv's own ``SafetensorsFile``); its ``header`` (:class:`MlxBunHeader`) is checked
+before a tensor byte is read (docs/mlx-bun.md section 8, steps 1-9: the prefix, the header
+hash, JSON as I-JSON restricts it, the version, every slot's ``off``, ``bytes``, ``shape``,
+``dtype``, hash and blocks with exact integer arithmetic, the byte ranges against the file,
+the attachments), and :class:`~mlxkv.io.tensor_reader.TensorReader` reads the tensors of a
+"whole" file through the same descriptor, each wyhash checked as it arrives. Format 5's
+blocks are read with :func:`read_block_tensor`: each block through one descriptor of its
+own, its sha256 checked over the very bytes that are kept.
 
 Writing lays tensors out exactly as mlx-bun's writer does (16 KiB-aligned cache tensors,
 the first attachment tensor at the unaligned cursor, fixed-width hashes patched into a
@@ -25,6 +28,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,9 +36,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..checks import is_count, is_int
 from ..errors import CorruptSnapshotError, FormatVersionError, SnapshotError
+from . import strict_json
 from .atomic import start_writeback, write_file_atomically
-from .safetensors import DTYPES, MAX_HEADER, SafetensorsHeader, TensorInfo, array_buffer, dtype_name
+from .safetensors import DTYPES, ITEMSIZE, MAX_HEADER, array_buffer, checked_shape, dtype_name
+from .tensor_file import Checksum, TensorFile, TensorInfo, open_regular
 from .wyhash import Wyhash, hex16, wyhash
 
 MAGIC = b"MLXBUNKV2\n"
@@ -47,6 +54,10 @@ CODEC_PROVIDER = "mlx-cache-v3"  # mlx-bun's built-in codec table; absent in ear
 HASH_PLACEHOLDER = "0" * 16
 DEFAULT_BLOCK_BYTES = 1 << 20
 BLOCKS_DIR = "blocks"
+#: the keys of a tensor slot (format 5 adds ``blocks``), of a block reference, of an attachment
+SLOT_KEYS = frozenset({"off", "bytes", "shape", "dtype", "hash"})
+BLOCK_KEYS = frozenset({"hash", "bytes"})
+ATTACHMENT_KEYS = frozenset({"schema", "metadata", "tensors"})
 
 #: mlx-c ``mlx_dtype`` enum value -> the safetensors dtype name mlxkv uses
 DTYPE_OF_CODE = {
@@ -69,26 +80,25 @@ CODE_OF_DTYPE = {name: code for code, name in DTYPE_OF_CODE.items()}
 
 _HASH16 = re.compile(r"[0-9a-f]{16}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 1 << 20
+
+#: mlx-bun files check every tensor with Zig's wyhash (docs/mlx-bun.md section 2)
+WYHASH = Checksum(Wyhash, "tensor hash mismatch in {name} (stored {stored}, computed {computed}): the file is damaged")
 
 
 def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _itemsize(dtype: str) -> int:
-    return np.dtype(DTYPES[dtype][1]).itemsize
-
-
-def _nbytes(shape: Sequence[int], dtype: str) -> int:
-    return math.prod(shape) * _itemsize(dtype)
+def is_mlx_bun_magic(head: bytes) -> bool:
+    """Do the first bytes of a file say mlx-bun cache file (either generation)?"""
+    return head[: len(MAGIC)] in (MAGIC, OLD_MAGIC)
 
 
 def is_mlx_bun_file(path: str) -> bool:
     """Does ``path`` start with mlx-bun's cache-file magic (either generation)?"""
     try:
         with open(path, "rb") as f:
-            return f.read(len(MAGIC)) in (MAGIC, OLD_MAGIC)
+            return is_mlx_bun_magic(f.read(len(MAGIC)))
     except OSError:
         return False
 
@@ -97,7 +107,12 @@ def _where(path: str) -> str:
     return f"{path}: mlx-bun cache file"
 
 
-# -- the neutral description ---------------------------------------------------------------
+def _show(value, n: int = 80) -> str:
+    """A value as a message shows it: its repr, cut to ``n`` characters."""
+    return repr(value)[:n]
+
+
+# -- the checked description -----------------------------------------------------------------
 
 
 @dataclass
@@ -116,16 +131,22 @@ class Slot:
 
 
 @dataclass
-class MlxBunFile:
+class MlxBunHeader:
+    """The checked prefix and header of an mlx-bun file; ``header`` is the JSON as written."""
+
     path: str
     version: int
-    header: dict  # the JSON header as written
+    header: dict
     header_len: int
     data_start: int
     header_hash: int
     file_size: int
     caches: list[list[Slot]]  # per header.caches entry, its slots in order
     attachments: list[list[Slot]]  # per header.attachments entry
+
+    @property
+    def where(self) -> str:
+        return _where(self.path)
 
     @property
     def layout(self) -> str:
@@ -138,212 +159,290 @@ class MlxBunFile:
     def slots(self) -> list[Slot]:
         return [s for group in (*self.caches, *self.attachments) for s in group]
 
-    def tensor_source(self) -> SafetensorsHeader:
-        """The slots as a checked safetensors description, for ``TensorReader`` (whole layout)."""
-        if self.layout != "whole":
-            raise SnapshotError(f"{_where(self.path)}: format 5 keeps its tensors in blocks, not in the file")
-        return SafetensorsHeader(
-            self.path, {}, {s.info.name: s.info for s in self.slots()}, self.data_start, self.file_size
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every slot by name, for ``TensorReader`` (format 5 keeps none in the file)."""
+        return {} if self.layout == "blocks" else {s.info.name: s.info for s in self.slots()}
+
+
+# -- checking the container ------------------------------------------------------------------
+
+
+def _damaged(where: str, why: str):
+    raise CorruptSnapshotError(f"{where}: {why}")
+
+
+def parse_prefix(head: bytes, size: int, path: str) -> tuple[int, int, int]:
+    """(headerLen, dataStart, headerHash) of the first bytes ``head`` of a ``size``-byte file
+    (steps 1-2 of docs/mlx-bun.md section 8). Pure: no I/O."""
+    if head[: len(OLD_MAGIC)] == OLD_MAGIC:
+        raise FormatVersionError(
+            f"{path}: an mlx-bun v1 cache file (MLXBUNKV1): mlx-bun never migrates these and "
+            f"neither does mlxkv; mlxkv reads mlx-bun versions {', '.join(map(str, VERSIONS))}"
         )
-
-
-# -- reading the container -----------------------------------------------------------------
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def read_prefix(path: str) -> tuple[bytes, int, int, int, bytes, int]:
-    """(magic, headerLen, dataStart, headerHash, header bytes, file size), the hash checked."""
+    if head[: len(MAGIC)] != MAGIC:
+        raise SnapshotError(f"{path}: not an mlx-bun KV v2 cache file (no MLXBUNKV2 magic)")
     where = _where(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(PREFIX_LEN)
-            if head[: len(MAGIC)] == OLD_MAGIC:
-                raise FormatVersionError(
-                    f"{path}: an mlx-bun v1 cache file (MLXBUNKV1): mlx-bun never migrates these and "
-                    f"neither does mlxkv; mlxkv reads mlx-bun versions {', '.join(map(str, VERSIONS))}"
-                )
-            if head[: len(MAGIC)] != MAGIC:
-                raise SnapshotError(f"{path}: not an mlx-bun KV v2 cache file (no MLXBUNKV2 magic)")
-            if len(head) < PREFIX_LEN:
-                raise CorruptSnapshotError(f"{where}: truncated: {size} bytes, not even the 26-byte prefix")
-            magic, header_len, data_start, header_hash = PREFIX.unpack(head)
-            if header_len > MAX_HEADER or PREFIX_LEN + header_len > size:
-                raise CorruptSnapshotError(
-                    f"{where}: truncated or damaged: header length {header_len} does not fit a {size}-byte file"
-                )
-            raw = f.read(header_len)
-    except OSError as e:
-        raise SnapshotError(f"{path}: cannot read: {e}") from e
-    if wyhash(raw) != header_hash:
-        raise CorruptSnapshotError(
-            f"{where}: header hash mismatch (stored {hex16(header_hash)}, computed {hex16(wyhash(raw))}): "
-            "truncated or corrupt"
+    if len(head) < PREFIX_LEN:
+        _damaged(where, f"truncated: {size} bytes, not even the 26-byte prefix")
+    _, header_len, data_start, header_hash = PREFIX.unpack(head[:PREFIX_LEN])
+    if header_len > MAX_HEADER or PREFIX_LEN + header_len > size:
+        _damaged(where, f"truncated or damaged: header length {header_len} does not fit a {size}-byte file")
+    return header_len, data_start, header_hash
+
+
+def check_header_hash(raw: bytes, header_hash: int, path: str) -> None:
+    """Step 3: the stored header hash is the wyhash of the header bytes."""
+    got = wyhash(raw)
+    if got != header_hash:
+        _damaged(
+            _where(path),
+            f"header hash mismatch (stored {hex16(header_hash)}, computed {hex16(got)}): truncated or corrupt",
         )
-    return magic, header_len, data_start, header_hash, raw, size
 
 
-def _parse_slot(where: str, name: str, raw, version: int) -> tuple:
-    """(dtype name, shape, off, bytes, hash, blocks) of one slot, each checked."""
-    if not isinstance(raw, dict):
-        raise CorruptSnapshotError(f"{where}: tensor slot {name} is not an object")
-    off, nbytes, shape, code, h = (raw.get(k) for k in ("off", "bytes", "shape", "dtype", "hash"))
-    if not _is_int(off) or off < 0 or not _is_int(nbytes) or nbytes < 0:
-        raise CorruptSnapshotError(f"{where}: tensor slot {name}: off {off!r} / bytes {nbytes!r} must be integers >= 0")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CorruptSnapshotError(f"{where}: tensor slot {name}: shape {shape!r} is not a list of integers >= 0")
-    if not _is_int(code):
-        raise CorruptSnapshotError(f"{where}: tensor slot {name}: dtype {code!r} is not an mlx-c dtype code")
-    if code in UNSUPPORTED_CODES:
-        raise CorruptSnapshotError(
-            f"{where}: tensor slot {name}: dtype code {code} ({UNSUPPORTED_CODES[code]}) is not a dtype mlxkv holds"
-        )
-    dtype = DTYPE_OF_CODE.get(code)
-    if dtype is None:
-        raise CorruptSnapshotError(f"{where}: tensor slot {name}: unknown mlx-c dtype code {code}")
-    if _nbytes(shape, dtype) != nbytes:
-        raise CorruptSnapshotError(
-            f"{where}: tensor slot {name}: {nbytes} bytes do not hold shape {shape} of {dtype} "
-            f"({_nbytes(shape, dtype)} bytes)"
-        )
-    blocks = []
-    if version == 5:
-        if not isinstance(h, str):
-            raise CorruptSnapshotError(f"{where}: tensor slot {name}: hash must be a string")
-        raw_blocks = raw.get("blocks", [])
-        if not isinstance(raw_blocks, list):
-            raise CorruptSnapshotError(f"{where}: tensor slot {name}: blocks must be a list")
-        for b in raw_blocks:
-            bh, bn = (b.get("hash"), b.get("bytes")) if isinstance(b, dict) else (None, None)
-            if not isinstance(bh, str) or not _SHA256.fullmatch(bh) or not _is_int(bn) or bn <= 0:
-                raise CorruptSnapshotError(f"{where}: tensor slot {name}: invalid KV block reference {b!r}")
-            blocks.append((bh, bn))
-        if sum(n for _, n in blocks) != nbytes:
-            raise CorruptSnapshotError(
-                f"{where}: tensor slot {name}: blocks hold {sum(n for _, n in blocks)} bytes, the slot {nbytes}"
-            )
-    elif not isinstance(h, str) or not _HASH16.fullmatch(h):
-        raise CorruptSnapshotError(f"{where}: tensor slot {name}: hash {h!r} is not 16 lowercase hex digits")
-    return dtype, shape, off, nbytes, h, blocks
-
-
-def read_mlx_bun(path: str) -> MlxBunFile:
-    """Parse and check the container of ``path``; reads no tensor bytes."""
-    where = _where(path)
-    _, header_len, data_start, header_hash, raw, size = read_prefix(path)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptSnapshotError(f"{where}: damaged header: not UTF-8 JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptSnapshotError(f"{where}: damaged header: not a JSON object")
-    version = header.get("formatVersion")
-    if not _is_int(version):
-        raise CorruptSnapshotError(f"{where}: formatVersion {version!r} missing or not an integer")
+def _check_version(where: str, doc: dict) -> int:
+    version = doc.get("formatVersion")
+    if not is_int(version):
+        _damaged(where, f"formatVersion {_show(version, 40)} missing or not an integer")
     if version not in VERSIONS:
         raise FormatVersionError(
             f"{where}: unsupported formatVersion {version}; mlxkv reads mlx-bun versions "
             f"{', '.join(map(str, VERSIONS))}"
             + (" (mlx-bun never migrates older files either)" if version < VERSIONS[0] else "")
         )
-    if data_start < PREFIX_LEN + header_len:
-        raise CorruptSnapshotError(
-            f"{where}: dataStart {data_start} lies inside the {PREFIX_LEN + header_len}-byte prefix and header"
+    return version
+
+
+def _parse_blocks(where: str, name: str, raw, nbytes: int) -> list[tuple[str, int]]:
+    if type(raw) is not list:
+        _damaged(where, f"tensor slot {name}: blocks must be a list")
+    blocks = []
+    for b in raw:
+        if type(b) is not dict or b.keys() != BLOCK_KEYS:
+            _damaged(where, f"tensor slot {name}: invalid KV block reference {_show(b)} (exactly hash, bytes)")
+        digest, n = b["hash"], b["bytes"]
+        if type(digest) is not str or not _SHA256.fullmatch(digest) or not is_count(n) or n == 0:
+            _damaged(where, f"tensor slot {name}: invalid KV block reference {_show(b)}")
+        blocks.append((digest, n))
+    total = sum(n for _, n in blocks)
+    if total != nbytes:
+        _damaged(where, f"tensor slot {name}: blocks hold {total} bytes, the slot {nbytes}")
+    return blocks
+
+
+def parse_slot(where: str, name: str, raw, version: int) -> tuple:
+    """(dtype name, shape, code, off, bytes, hash, blocks) of one slot, each checked (step 8)."""
+    keys = SLOT_KEYS | {"blocks"} if version == 5 else SLOT_KEYS
+    if type(raw) is not dict or raw.keys() != keys:
+        _damaged(where, f"tensor slot {name} is not an object of exactly {', '.join(sorted(keys))}")
+    off, nbytes, shape, code, h = (raw[k] for k in ("off", "bytes", "shape", "dtype", "hash"))
+    if not is_count(off) or not is_count(nbytes):
+        _damaged(where, f"tensor slot {name}: off {_show(off, 40)} / bytes {_show(nbytes, 40)} must be integers >= 0")
+    if checked_shape(shape) is None:
+        _damaged(
+            where, f"tensor slot {name}: shape must be a list of at most 8 integers in 0..2^31-1, got {_show(shape)}"
         )
+    if not is_int(code):
+        _damaged(where, f"tensor slot {name}: dtype {_show(code, 40)} is not an mlx-c dtype code")
+    if code in UNSUPPORTED_CODES:
+        _damaged(where, f"tensor slot {name}: dtype code {code} ({UNSUPPORTED_CODES[code]}) is not a dtype mlxkv holds")
+    dtype = DTYPE_OF_CODE.get(code)
+    if dtype is None:
+        _damaged(where, f"tensor slot {name}: unknown mlx-c dtype code {code}")
+    want = math.prod(shape) * ITEMSIZE[dtype]  # exact: Python integers do not wrap
+    if want != nbytes:
+        _damaged(where, f"tensor slot {name}: {nbytes} bytes do not hold shape {shape} of {dtype} ({want} bytes)")
+    if version == 5:
+        if h != "":
+            _damaged(where, f'tensor slot {name}: hash must be "" in format 5 (its blocks carry sha256 names)')
+        return dtype, shape, code, off, nbytes, h, _parse_blocks(where, name, raw["blocks"], nbytes)
+    if type(h) is not str or not _HASH16.fullmatch(h):
+        _damaged(where, f"tensor slot {name}: hash {_show(h, 40)} is not 16 lowercase hex digits")
+    return dtype, shape, code, off, nbytes, h, []
+
+
+def _check_metadata(where: str, i: int, raw: dict) -> None:
+    schema, metadata = raw["schema"], raw["metadata"]
+    if type(schema) is not str or type(metadata) is not dict:
+        _damaged(where, f"attachment {i} needs a string schema and a metadata object")
+    for k, v in metadata.items():
+        if type(v) not in (str, int, float, bool):
+            _damaged(
+                where,
+                f"attachment {i} ({schema[:40]}): metadata {k[:40]!r} is {_show(v, 40)}, "
+                "not a string, number or boolean",
+            )
+
+
+def _groups(where: str, doc: dict, version: int, data_start: int) -> dict:
+    """Step 7, and step 8 per slot: ``caches`` and ``attachments`` as lists of slot lists."""
+    if type(doc.get("caches")) is not list:
+        _damaged(where, "caches must be a list")
+    attachments = doc.get("attachments")
+    if attachments is not None and (type(attachments) is not list or not attachments):
+        _damaged(where, "attachments, when present, must be a non-empty list")
+    if version == 3 and attachments is not None:
+        _damaged(where, "a format-3 file has attachments (mlx-bun writes them as format 4 or 5)")
+    if version == 4 and attachments is None:
+        _damaged(where, "a format-4 file without attachments (mlx-bun writes it as format 3)")
     groups = {}
     for key in ("caches", "attachments"):
-        entries = header.get(key, [])
-        if not isinstance(entries, list):
-            raise CorruptSnapshotError(f"{where}: {key} must be a list")
         groups[key] = []
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), list):
-                raise CorruptSnapshotError(f"{where}: {key} entry {i} is malformed (no tensors list)")
+        for i, entry in enumerate(doc.get(key) or []):
+            if type(entry) is not dict or type(entry.get("tensors")) is not list:
+                _damaged(where, f"{key} entry {i} is malformed (not an object with a tensors list)")
+            if key == "attachments":
+                if entry.keys() != ATTACHMENT_KEYS:
+                    _damaged(where, f"attachment {i} must have exactly schema, metadata, tensors")
+                _check_metadata(where, i, entry)
             slots = []
-            for j, raw_slot in enumerate(entry["tensors"]):
+            for j, raw in enumerate(entry["tensors"]):
                 name = f"{key}.{i}.{j}"
-                dtype, shape, off, nbytes, h, blocks = _parse_slot(where, name, raw_slot, version)
+                dtype, shape, code, off, nbytes, h, blocks = parse_slot(where, name, raw, version)
                 begin = data_start + off
-                if version != 5 and nbytes and begin + nbytes > size:
-                    raise CorruptSnapshotError(
-                        f"{where}: truncated: tensor {name} ends at byte {begin + nbytes} of a {size}-byte file"
-                    )
-                slots.append(
-                    Slot(TensorInfo(name, dtype, shape, begin, begin + nbytes), raw_slot["dtype"], off, h, blocks)
-                )
+                slots.append(Slot(TensorInfo(name, dtype, shape, begin, begin + nbytes), code, off, h, blocks))
             groups[key].append(slots)
-    if version != 5:
-        spans = sorted(
-            (s.info.begin, s.info.end, s.info.name) for g in groups.values() for e in g for s in e if s.nbytes
-        )
-        for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
-            if begin < end:
-                raise CorruptSnapshotError(f"{where}: damaged header: tensors {a} and {b} overlap")
-    return MlxBunFile(
-        path, version, header, header_len, data_start, header_hash, size, groups["caches"], groups["attachments"]
+    return groups
+
+
+def _check_ranges(where: str, slots: list[Slot], data_start: int, size: int) -> None:
+    """Step 9 (formats 3, 4): every stored tensor inside the file, none overlapping, and
+    nothing after the last (nor the padding before ``dataStart`` missing)."""
+    spans = sorted((s.info.begin, s.info.end, s.info.name) for s in slots if s.nbytes)
+    for _, end, name in spans:
+        if end > size:
+            _damaged(where, f"truncated: tensor {name} ends at byte {end} of a {size}-byte file")
+    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
+        if begin < end:
+            _damaged(where, f"damaged header: tensors {a} and {b} overlap")
+    last = max([data_start] + [end for _, end, _ in spans])
+    if size != last:
+        _damaged(where, f"{size - last:+d} bytes after the last tensor: truncated or damaged file")
+
+
+def parse_header(doc, header_len: int, data_start: int, header_hash: int, size: int, path: str) -> MlxBunHeader:
+    """Check the parsed JSON header ``doc`` of a ``size``-byte file whose prefix says
+    ``header_len`` and ``data_start`` (steps 4-9 of docs/mlx-bun.md section 8). Pure: no I/O."""
+    where = _where(path)
+    if type(doc) is not dict:
+        _damaged(where, "damaged header: not a JSON object")
+    version = _check_version(where, doc)
+    end = PREFIX_LEN + header_len
+    if version == 5:
+        if data_start != end:
+            _damaged(where, f"dataStart {data_start} is not {end}, where a format-5 header ends")
+        if size != end:
+            _damaged(where, f"{size - end:+d} bytes after the header of a format-5 file (its tensors are in blocks)")
+    elif not end <= data_start <= size:
+        _damaged(where, f"dataStart {data_start} lies outside {end}..{size} (after the header, inside the file)")
+    groups = _groups(where, doc, version, data_start)
+    f = MlxBunHeader(
+        path, version, doc, header_len, data_start, header_hash, size, groups["caches"], groups["attachments"]
     )
+    if version != 5:
+        _check_ranges(where, f.slots(), data_start, size)
+    return f
 
 
-# -- reading and checking tensor bytes -----------------------------------------------------
+class MlxBunFile(TensorFile):
+    """One open mlx-bun file: its checked ``header`` (:class:`MlxBunHeader`) and the
+    descriptor every later read of its tensors goes through."""
+
+    checksum = WYHASH
+
+    @property
+    def where(self) -> str:
+        return _where(self.path)
+
+    def _read_header(self) -> None:
+        head = self.read(PREFIX_LEN, 0)
+        header_len, data_start, header_hash = parse_prefix(head, self.size, self.path)
+        raw = self.read(header_len, PREFIX_LEN)
+        if len(raw) < header_len:
+            _damaged(self.where, "truncated while reading its header")
+        check_header_hash(raw, header_hash, self.path)
+        doc = strict_json.loads(raw, f"{self.where}: header")
+        self.header = parse_header(doc, header_len, data_start, header_hash, self.size, self.path)
+        self.tensors = self.header.tensors
 
 
-def slot_hash(f: MlxBunFile, slot: Slot, fd: int) -> str:
-    """Zig wyhash of a whole-layout slot's stored bytes, read in chunks from ``fd``."""
-    h, pos, end = Wyhash(), slot.info.begin, slot.info.end
-    while pos < end:
-        chunk = os.pread(fd, min(_CHUNK, end - pos), pos)
-        if not chunk:
-            raise CorruptSnapshotError(f"{_where(f.path)}: truncated while hashing tensor {slot.info.name}")
-        h.update(chunk)
-        pos += len(chunk)
-    return h.hexdigest()
+def read_mlx_bun(path: str) -> MlxBunHeader:
+    """Parse and check the container of ``path``; reads no tensor bytes."""
+    with MlxBunFile(path) as f:
+        return f.header
 
 
-def read_block_bytes(f: MlxBunFile, slot: Slot, verify: bool) -> bytearray:
-    """A format-5 slot's bytes: its blocks concatenated; with ``verify``, each block's sha256."""
-    out, pos = bytearray(slot.nbytes), 0
+# -- format 5: blocks --------------------------------------------------------------------------
+
+
+_BLOCK_CHUNK = 1 << 20  # bytes a block is verified in when nothing is kept
+
+
+def _block_path(h: MlxBunHeader, digest: str) -> str:
+    return os.path.join(h.blocks_dir, digest)
+
+
+def _refuse_block(h: MlxBunHeader, slot: Slot, digest: str, why: str):
+    raise CorruptSnapshotError(f"{h.where}: tensor {slot.info.name}: block {digest} {why}")
+
+
+def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, into: bytearray | None, verify: bool) -> None:
+    """Block ``digest`` (``n`` bytes) through one descriptor: its size checked on that
+    descriptor before anything is allocated for it, its bytes appended to ``into`` (or,
+    when nothing is kept, read through a buffer of at most 1 MiB) and, with ``verify``, its
+    sha256 taken over the very bytes read."""
+    try:
+        fd = open_regular(_block_path(h, digest))
+    except SnapshotError as e:
+        _refuse_block(h, slot, digest, f"cannot be read ({str(e).rsplit(': ', 1)[-1]})")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _refuse_block(h, slot, digest, "cannot be read (not a regular file)")
+        if st.st_size != n:
+            _refuse_block(h, slot, digest, f"holds {st.st_size} bytes, the header says {n}")
+        sha = hashlib.sha256() if verify else None
+        if into is None:
+            at, buf = 0, bytearray(min(n, _BLOCK_CHUNK))
+        else:
+            at, buf = len(into), into
+            into.extend(bytes(n))  # the block's size is on disk: what this allocates is really there
+        with memoryview(buf) as mv:  # slices only as temporaries: ``into`` grows again after
+            got = 0
+            while got < n:
+                lo, hi = (at + got, at + n) if into is not None else (0, min(len(mv), n - got))
+                k = os.preadv(fd, [mv[lo:hi]], got)
+                if not k:
+                    _refuse_block(h, slot, digest, f"holds {got} bytes, the header says {n} (cut short while reading)")
+                if sha is not None:
+                    sha.update(mv[lo : lo + k])
+                got += k
+    except OSError as e:
+        _refuse_block(h, slot, digest, f"cannot be read ({e.strerror or e})")
+    finally:
+        os.close(fd)
+    if sha is not None and sha.hexdigest() != digest:
+        _refuse_block(h, slot, digest, "does not match its sha256 name: KV block hash mismatch")
+
+
+def verify_blocks(h: MlxBunHeader, slot: Slot) -> None:
+    """Refuse a format-5 slot whose blocks are missing, of the wrong size or damaged; keeps
+    nothing (each block is hashed through a buffer of at most 1 MiB)."""
     for digest, n in slot.blocks:
-        path = os.path.join(f.blocks_dir, digest)
-        try:
-            with open(path, "rb") as b:
-                part = b.read(n + 1)
-        except OSError as e:
-            raise CorruptSnapshotError(
-                f"{_where(f.path)}: tensor {slot.info.name}: block {digest} cannot be read ({e.strerror or e})"
-            ) from None
-        if len(part) != n:
-            raise CorruptSnapshotError(
-                f"{_where(f.path)}: tensor {slot.info.name}: block {digest} holds {len(part)} bytes, the header "
-                f"says {n}"
-            )
-        if verify and hashlib.sha256(part).hexdigest() != digest:
-            raise CorruptSnapshotError(f"{_where(f.path)}: tensor {slot.info.name}: KV block hash mismatch ({digest})")
-        out[pos : pos + n] = part
-        pos += n
-    return out
+        _read_block(h, slot, digest, n, None, True)
 
 
-def check_slot(f: MlxBunFile, slot: Slot, fd: int | None) -> None:
-    """Refuse a slot whose stored bytes disagree with its hash (or its blocks' sha256)."""
-    if f.layout == "blocks":
-        read_block_bytes(f, slot, verify=True)
-        return
-    got = slot_hash(f, slot, fd)
-    if got != slot.hash:
-        raise CorruptSnapshotError(
-            f"{_where(f.path)}: tensor hash mismatch in {slot.info.name} (stored {slot.hash}, computed {got}): "
-            "the file is damaged"
-        )
-
-
-def array_from_bytes(data, dtype: str, shape: Sequence[int]) -> mx.array:
-    """An MLX array of ``dtype`` (a safetensors name) over the row-major bytes ``data``."""
-    raw = np.frombuffer(bytes(data), dtype=np.dtype(DTYPES[dtype][1]).newbyteorder("<")).reshape(shape)
-    a = mx.array(raw)
-    return a.view(mx.bfloat16) if dtype == "BF16" else a
+def read_block_tensor(h: MlxBunHeader, slot: Slot, verify: bool) -> mx.array:
+    """A format-5 slot as an MLX array: its blocks read in order (``_read_block``), the
+    bytes growing block by block, so what is allocated never exceeds the block bytes really
+    on disk, whatever the header claims."""
+    raw = bytearray()
+    for digest, n in slot.blocks:
+        _read_block(h, slot, digest, n, raw, verify)
+    a = np.frombuffer(raw, np.dtype(DTYPES[slot.info.dtype][1]).newbyteorder("<")).reshape(slot.info.shape)
+    a = mx.array(a)
+    return a.view(mx.bfloat16) if slot.info.dtype == "BF16" else a
 
 
 # -- writing -------------------------------------------------------------------------------
@@ -426,6 +525,21 @@ def prefix_bytes(header_json: bytes, data_start: int) -> bytes:
     return PREFIX.pack(MAGIC, len(header_json), data_start, wyhash(header_json)) + header_json
 
 
+def planned(path: str, header: dict) -> MlxBunHeader:
+    """``header`` (slots made by :func:`new_slot`) laid out as the whole layout writes it,
+    and checked as a reader checks a file (steps 4-9 of docs/mlx-bun.md section 8), before
+    anything is written: a write never leaves a file a reader refuses."""
+    slots = lay_out(header)
+    try:
+        raw = js_json(header).encode()
+    except UnicodeEncodeError:
+        raise SnapshotError(f"{path}: a string of the header holds a lone UTF-16 surrogate: not JSON") from None
+    doc = strict_json.loads(raw, f"{_where(path)}: header")
+    data_start = align_up(PREFIX_LEN + len(raw))
+    size = max([data_start] + [data_start + s["off"] + s["bytes"] for s in slots if s["bytes"]])
+    return parse_header(doc, len(raw), data_start, 0, size, path)
+
+
 def write_mlx_bun(
     path: str,
     header: dict,
@@ -499,7 +613,7 @@ def block_spans(shape: Sequence[int], itemsize: int, block_bytes: int) -> list[t
 
 
 def _write_blocks(path, header, slots, arrays, block_bytes, progress, fsync) -> dict:
-    if not _is_int(block_bytes) or block_bytes <= 0:
+    if not is_int(block_bytes) or block_bytes <= 0:
         raise SnapshotError(f"block_bytes must be a positive integer, got {block_bytes!r}")
     root = os.path.join(os.path.dirname(os.path.abspath(path)), BLOCKS_DIR)
     try:

@@ -11,8 +11,6 @@ is opened once and every later read goes through that descriptor (tensor_reader.
 import functools
 import json
 import math
-import os
-import stat
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +23,7 @@ from ..checks import is_count
 from ..errors import CorruptSnapshotError, SnapshotError
 from . import strict_json
 from .atomic import start_writeback, write_file_atomically
+from .tensor_file import Checksum, TensorFile, TensorInfo, file_identity  # noqa: F401 - re-exported
 
 try:  # zlib-ng computes the same CRC-32 as zlib, faster (SIMD; docs/sessions.md), and can combine two
     from zlib_ng.zlib_ng import crc32, crc32_combine
@@ -74,6 +73,34 @@ def check_storable(name: str, a: mx.array) -> None:
 def crc32_hex(data) -> str:
     """CRC-32 (zlib's) as 8 lowercase hex digits."""
     return f"{crc32(data) & 0xFFFFFFFF:08x}"
+
+
+class _Crc32:
+    """A running CRC-32 (the streaming state of :data:`CRC32`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def update(self, data) -> "_Crc32":
+        self.value = crc32(data, self.value)
+        return self
+
+    def hexdigest(self) -> str:
+        return f"{self.value & 0xFFFFFFFF:08x}"
+
+
+def _crc32_combine(a: _Crc32, b: _Crc32, b_len: int) -> _Crc32:
+    return _Crc32(crc32_combine(a.value, b.value, b_len))
+
+
+#: mlxkv snapshots check every tensor with CRC-32 (docs/format.md section 6)
+CRC32 = Checksum(
+    _Crc32,
+    "checksum mismatch in tensor {name!r} (stored {stored}, computed {computed}): the file is damaged",
+    _crc32_combine if crc32_combine is not None else None,
+)
 
 
 @functools.cache
@@ -149,15 +176,6 @@ def write_atomic(
 
 
 @dataclass
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: list[int]
-    begin: int  # absolute file offsets
-    end: int
-
-
-@dataclass
 class SafetensorsHeader:
     path: str
     metadata: dict[str, str]
@@ -168,11 +186,9 @@ class SafetensorsHeader:
     identity: tuple = ()
 
 
-def file_identity(st: os.stat_result) -> tuple:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _shape(value) -> list[int] | None:
+def checked_shape(value) -> list[int] | None:
+    """``value`` if it is a shape a reader accepts (a list of at most MAX_RANK integers in
+    0..MAX_DIM), else None."""
     if type(value) is not list or len(value) > MAX_RANK or not all(is_count(d) and d <= MAX_DIM for d in value):
         return None
     return value
@@ -196,7 +212,7 @@ def parse_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
             raise CorruptSnapshotError(
                 f"{path}: damaged header entry for tensor {name!r}: expected exactly dtype, shape, data_offsets"
             )
-        dtype, shape, offsets = e["dtype"], _shape(e["shape"]), e["data_offsets"]
+        dtype, shape, offsets = e["dtype"], checked_shape(e["shape"]), e["data_offsets"]
         if type(dtype) is not str or dtype not in DTYPES:
             raise CorruptSnapshotError(f"{path}: tensor {name!r} has unsupported dtype {str(dtype)[:40]!r}")
         if shape is None:
@@ -233,68 +249,30 @@ def parse_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
     return SafetensorsHeader(path, meta, tensors, data_start, file_size)
 
 
-def _read_exactly(fd: int, n: int, offset: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        b = os.pread(fd, n - got, offset + got)
-        if not b:
-            break
-        parts.append(b)
-        got += len(b)
-    return b"".join(parts)
+class SafetensorsFile(TensorFile):
+    """One open safetensors file: its checked header (``header``), and the descriptor every
+    later read goes through. Opened once, it stays the same file however the path is renamed
+    over or removed meanwhile, so a header and the tensors read after it never come from two
+    files."""
 
+    checksum = CRC32
 
-class SafetensorsFile:
-    """One open safetensors file: its checked header, and the descriptor every later read
-    goes through. Opened once, it stays the same file however the path is renamed over or
-    removed meanwhile, so a header and the tensors read after it never come from two files."""
-
-    def __init__(self, path: str):
-        self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
-        try:
-            self.header = self._read_header()
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def _read_header(self) -> SafetensorsHeader:
-        path, fd = self.path, self.fd
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SnapshotError(f"{path}: cannot read: not a regular file")
-            size = st.st_size
-            head = _read_exactly(fd, 8, 0)
-            if len(head) < 8:
-                raise CorruptSnapshotError(f"{path}: truncated: {size} bytes, not even a header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CorruptSnapshotError(
-                    f"{path}: truncated or damaged: header length {n} does not fit a {size}-byte file"
-                )
-            raw = _read_exactly(fd, n, 8)
-        except OSError as e:
-            raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from e
+    def _read_header(self) -> None:
+        path, size = self.path, self.size
+        head = self.read(8, 0)
+        if len(head) < 8:
+            raise CorruptSnapshotError(f"{path}: truncated: {size} bytes, not even a header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CorruptSnapshotError(
+                f"{path}: truncated or damaged: header length {n} does not fit a {size}-byte file"
+            )
+        raw = self.read(n, 8)
         if len(raw) < n:
             raise CorruptSnapshotError(f"{path}: truncated while reading its header")
-        header = parse_header(raw, size, path)
-        header.identity = file_identity(st)
-        return header
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self.header = parse_header(raw, size, path)
+        self.header.identity = self.identity
+        self.tensors = self.header.tensors
 
 
 def read_safetensors_header(path: str) -> SafetensorsHeader:

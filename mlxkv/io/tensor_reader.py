@@ -1,12 +1,14 @@
-"""Reading the tensors of a checked safetensors file straight into MLX arrays.
+"""Reading the tensors of a checked file straight into MLX arrays.
 
 ``mx.load`` is handed a stand-in file (``_LoadStream``) whose header declares the tensors
 asked for, with the slack rows a growing cache wants added to their shape. MLX allocates
 each array uninitialized and passes its memory to ``readinto``; the stored bytes are read
-into it with preadv, each half by one of two threads, each chunk checksummed right after it
-arrives. A load is thus one copy out of the page cache per byte, with no fill pass, no
-staging buffer and no memory beyond the arrays themselves. Every read goes through the one
-descriptor the header was read from (``SafetensorsFile``).
+into it with preadv, each half by one of two threads, each chunk checked right after it
+arrives (CRC-32 for mlxkv snapshots, wyhash for mlx-bun files: the container's
+:class:`~mlxkv.io.tensor_file.Checksum`). A load is thus one copy out of the page cache per
+byte, with no fill pass, no staging buffer and no memory beyond the arrays themselves.
+Every read goes through the one descriptor the header was read from (a
+:class:`~mlxkv.io.tensor_file.TensorFile`, whichever container it is).
 
 MLX's reader of a Python stream is a C++ object that may be released by one of MLX's I/O
 threads, and its destructor takes the GIL: during interpreter shutdown that thread is killed
@@ -25,27 +27,18 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
-from .safetensors import (
-    DTYPES,
-    SafetensorsFile,
-    SafetensorsHeader,
-    TensorInfo,
-    crc32,
-    crc32_combine,
-    file_identity,
-    header_bytes,
-    io_pool,
-)
+from .safetensors import CRC32, DTYPES, SafetensorsHeader, header_bytes, io_pool
+from .tensor_file import Checksum, TensorFile, TensorInfo, file_identity, open_regular
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
 _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads
 _CHUNK = 512 << 10  # read, then checksum while still in cache (docs/sessions.md, snapshot I/O)
-_PARALLEL = crc32_combine is not None and hasattr(os, "preadv")
+_PARALLEL = hasattr(os, "preadv")
 _MAX_BLOCKS = 4096  # [B, H] blocks placed one iovec each; more are staged (_fill_staged)
 _RELEASE_TIMEOUT = 60.0  # seconds MLX may take to drop its reader of a finished load
 
 Piece = tuple[memoryview, int]  # destination, file offset
-Request = tuple[str, str | None, int | None]  # name, expected CRC-32 (or None), rows
+Request = tuple[str, str | None, int | None]  # name, expected checksum (or None), rows
 
 
 def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
@@ -85,18 +78,27 @@ def _chunks(pieces: list[Piece], size: int):
         yield batch, offset
 
 
-def _read_and_checksum(fd: int, pieces: list[Piece], crc: int = 0) -> tuple[int, int]:
-    """Read file-contiguous ``pieces``; returns (CRC-32 continuing ``crc``, bytes read)."""
+def _read_and_checksum(fd: int, pieces: list[Piece], state=None) -> int:
+    """Read file-contiguous ``pieces``, updating the checksum ``state`` (if any) with every
+    byte read, in order; returns the bytes read."""
     total = 0
     for views, offset in _chunks(pieces, _CHUNK):
         got = _pread_into(fd, views, offset)
-        total, left = total + got, got
-        for v in views:
-            crc = crc32(v[: min(len(v), left)], crc)
-            left -= min(len(v), left)
+        total += got
+        if state is not None:
+            _update(state, views, got)
         if got < sum(len(v) for v in views):
             break  # end of file
-    return crc, total
+    return total
+
+
+def _update(state, views, n: int) -> None:
+    """``state`` updated with the first ``n`` bytes of ``views``, in order."""
+    for v in views:
+        k = min(len(v), n)
+        if k:
+            state.update(v[:k])
+        n -= k
 
 
 def _split(pieces: list[Piece], at: int) -> tuple[list[Piece], list[Piece]]:
@@ -116,8 +118,8 @@ class _Target:
     followed by ``slack`` zero bytes (the slack rows of one [B, H] block), or nothing.
     """
 
-    def __init__(self, info: TensorInfo, expected_crc: str | None, rows: int | None):
-        self.info, self.expected_crc = info, expected_crc
+    def __init__(self, info: TensorInfo, expected: str | None, rows: int | None, checksum: Checksum):
+        self.info, self.expected, self.checksum = info, expected, checksum
         self.shape = list(info.shape)
         if rows is not None and len(self.shape) == 4 and rows > self.shape[2]:
             B, H, T, D = self.shape
@@ -127,7 +129,8 @@ class _Target:
         else:
             self.blocks, self.part, self.slack = 1, info.end - info.begin, 0
         self.nbytes = self.blocks * (self.part + self.slack)
-        self.crc, self.bytes_read = 0, 0
+        self.state = checksum.new() if expected is not None else None  # nothing to compare: not computed
+        self.bytes_read = 0
 
     def fill(self, fd: int, out: memoryview, at: int):
         """Fill ``out``, the array's bytes from ``at`` on: stored bytes read, slack zeroed."""
@@ -161,27 +164,33 @@ class _Target:
             # the helper reads the second half; waited for here, so no read outlives the call
             # that lent us the array's memory
             first, second = _split(pieces, total // 2)
-            helper = io_pool().submit(_read_and_checksum, fd, second)
-            crc_a, got_a = _read_and_checksum(fd, first, self.crc)
-            crc_b, got_b = helper.result()
-            self.crc, got = crc32_combine(crc_a, crc_b, got_b), got_a + got_b
+            combine = self.checksum.combine
+            part = self.checksum.new() if self.state is not None and combine is not None else None
+            helper = io_pool().submit(_read_and_checksum, fd, second, part)
+            got_a = _read_and_checksum(fd, first, self.state)
+            got_b = helper.result()
+            if part is not None:
+                self.state = combine(self.state, part, got_b)
+            elif self.state is not None:  # a checksum that does not combine: the second half after the first
+                _update(self.state, [v for v, _ in second], got_b)
+            got = got_a + got_b
         else:
-            self.crc, got = _read_and_checksum(fd, pieces, self.crc)
+            got = _read_and_checksum(fd, pieces, self.state)
         self.bytes_read += got
 
-    def check(self, path: str):
+    def check(self, where: str):
         name, stored = self.info.name, self.info.end - self.info.begin
         if self.bytes_read != stored:
             raise CorruptSnapshotError(
-                f"{path}: tensor {name!r}: read {self.bytes_read} of {stored} bytes: "
+                f"{where}: tensor {name!r}: read {self.bytes_read} of {stored} bytes: "
                 "the file was truncated while loading"
             )
-        got = f"{self.crc & 0xFFFFFFFF:08x}"
-        if self.expected_crc is not None and got != self.expected_crc:
-            raise CorruptSnapshotError(
-                f"{path}: checksum mismatch in tensor {name!r} "
-                f"(stored {self.expected_crc}, computed {got}): the file is damaged"
-            )
+        if self.state is not None:
+            got = self.state.hexdigest()
+            if got != self.expected:
+                raise CorruptSnapshotError(
+                    f"{where}: " + self.checksum.mismatch.format(name=name, stored=self.expected, computed=got)
+                )
 
 
 class _LoadStream(io.RawIOBase):
@@ -263,23 +272,27 @@ def _load(fd: int, targets: list[_Target], progress) -> tuple[dict[str, mx.array
 
 
 class TensorReader:
-    """Reads tensors of one checked file, verifying CRC-32 when asked.
+    """Reads tensors of one checked file, verifying their checksums when asked.
 
-    Given a :class:`SafetensorsFile`, it reads through that file's descriptor (the caller
-    closes it). Given a :class:`SafetensorsHeader` alone, it opens the header's path and
-    refuses a file that is not the one the header was read from.
+    Given a :class:`TensorFile` (a ``SafetensorsFile``, an ``MlxBunFile``), it reads through
+    that file's descriptor (the caller closes it) and checks with the container's checksum.
+    Given a :class:`SafetensorsHeader` alone (a prompt store's shared tier assembles one),
+    it opens the header's path and refuses a file that is not the one the header was read
+    from.
     """
 
-    def __init__(self, source: SafetensorsFile | SafetensorsHeader):
+    def __init__(self, source: TensorFile | SafetensorsHeader):
         self._own_fd = False
-        if isinstance(source, SafetensorsFile):
-            self.header, self._fd = source.header, source.fd
+        if isinstance(source, TensorFile):
+            self.tensors, self.where, self._checksum, self._fd = (
+                source.tensors,
+                source.where,
+                source.checksum,
+                source.fd,
+            )
             return
-        self.header = source
-        try:
-            self._fd = os.open(source.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:  # gone or locked since its header was read
-            raise SnapshotError(f"{source.path}: cannot read: {e.strerror or e}") from e
+        self.tensors, self.where, self._checksum = source.tensors, source.path, CRC32
+        self._fd = open_regular(source.path)  # gone or locked since its header was read: ours
         self._own_fd = True
         if source.identity and file_identity(os.fstat(self._fd)) != source.identity:
             self.close()
@@ -290,7 +303,7 @@ class TensorReader:
     def read_all(
         self, requests: Iterable[Request], progress: Callable[[int, int], None] | None = None
     ) -> dict[str, mx.array]:
-        """The tensors asked for by (name, expected CRC-32 or None, rows), by name, in one
+        """The tensors asked for by (name, expected checksum or None, rows), by name, in one
         pass over the file; every given checksum is verified before anything is returned.
 
         ``rows`` (rank-4 tensors only) gives a [B, H, rows, D] array whose first T rows
@@ -299,43 +312,52 @@ class TensorReader:
         MLX's loader thread. What the arrays need is checked against the machine's memory
         before anything is allocated.
         """
-        wanted = {name: (crc, rows) for name, crc, rows in requests}  # a name asked twice is read once
+        wanted = {name: (expected, rows) for name, expected, rows in requests}  # a name asked twice is read once
         targets = sorted(
-            (_Target(self.header.tensors[name], crc, rows) for name, (crc, rows) in wanted.items()),
+            (_Target(self.tensors[name], expected, rows, self._checksum) for name, (expected, rows) in wanted.items()),
             key=lambda t: t.info.begin,
         )
-        check_allocation(self.header.path, sum(t.nbytes for t in targets))
+        check_allocation(self.where, sum(t.nbytes for t in targets))
         stored = [t for t in targets if t.info.end > t.info.begin]
         arrays, error = _load(self._fd, stored, progress) if stored else ({}, None)
         if isinstance(error, OSError):
-            raise SnapshotError(f"{self.header.path}: cannot read: {error}") from error
+            raise SnapshotError(f"{self.where}: cannot read: {error}") from error
         if error is not None:
             raise error
         for t in stored:
-            t.check(self.header.path)
+            t.check(self.where)
         for t in targets:  # nothing stored: MLX is not asked for zero-length reads
             if t.info.end == t.info.begin:
                 arrays[t.info.name] = mx.zeros(t.shape, DTYPES[t.info.dtype][0])
         return arrays
 
-    def read(self, name: str, expected_crc: str | None = None, rows: int | None = None) -> mx.array:
+    def read(self, name: str, expected: str | None = None, rows: int | None = None) -> mx.array:
         """One tensor; see ``read_all``."""
-        return self.read_all([(name, expected_crc, rows)])[name]
+        return self.read_all([(name, expected, rows)])[name]
 
     def checksum(self, name: str) -> str:
-        """CRC-32 of the stored bytes of ``name``, read in chunks into one reused buffer."""
-        info = self.header.tensors[name]
+        """The container's checksum of the stored bytes of ``name``, read in chunks into one
+        reused buffer."""
+        info = self.tensors[name]
         buf = memoryview(bytearray(min(_CHUNK, info.end - info.begin)))
-        crc = 0
+        state = self._checksum.new()
         for pos in range(info.begin, info.end, _CHUNK):
             view = buf[: min(len(buf), info.end - pos)]
             try:
-                crc, got = _read_and_checksum(self._fd, [(view, pos)], crc)
+                got = _read_and_checksum(self._fd, [(view, pos)], state)
             except OSError as e:
-                raise SnapshotError(f"{self.header.path}: cannot read: {e}") from e
+                raise SnapshotError(f"{self.where}: cannot read: {e}") from e
             if got < len(view):
-                raise CorruptSnapshotError(f"{self.header.path}: truncated while verifying tensor {name!r}")
-        return f"{crc & 0xFFFFFFFF:08x}"
+                raise CorruptSnapshotError(f"{self.where}: truncated while verifying tensor {name!r}")
+        return state.hexdigest()
+
+    def verify(self, name: str, expected: str) -> None:
+        """Refuse the file if the stored bytes of ``name`` disagree with ``expected``."""
+        got = self.checksum(name)
+        if got != expected:
+            raise CorruptSnapshotError(
+                f"{self.where}: " + self._checksum.mismatch.format(name=name, stored=expected, computed=got)
+            )
 
     def close(self):
         if self._own_fd:

@@ -16,7 +16,7 @@ shape (:func:`read_checkpoint`), so every caller sees one kind of checkpoint.
 import json
 from dataclasses import dataclass
 
-from ..checks import is_int, is_int_list
+from ..checks import INT32_MAX, is_count32, is_int, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, SnapshotError
 from .generation_key import generation_key
 from .sampler import POLICY_FIELDS, V1_RULES, sampler_from_policy
@@ -91,9 +91,11 @@ def is_v1_layout(cp) -> bool:
     return isinstance(cp, dict) and "promptTokens" in cp and "originalPromptTokens" not in cp
 
 
-def read_checkpoint(header: dict, where: str = "") -> Checkpoint | None:
+def read_checkpoint(header: dict, where: str = "", *, state: bool = True) -> Checkpoint | None:
     """The checked checkpoint of a header (mlxkv format 1 or 2, or a translated mlx-bun
-    header), None when it has none. Raises :class:`CorruptSnapshotError` for a malformed one."""
+    header), None when it has none. Raises :class:`CorruptSnapshotError` for a malformed one.
+    ``state=False`` checks mlx-bun's fields only (what a reader of an mlx-bun file checks:
+    mlxkv's own state, if any, is a resume's to check, and only has to be an object)."""
     cp = header.get(FIELD)
     if cp is None:
         return None
@@ -102,16 +104,16 @@ def read_checkpoint(header: dict, where: str = "") -> Checkpoint | None:
         raise CorruptSnapshotError(f"{where} must be an object")
     tokens = header.get("tokens") or []
     v1 = header.get("formatVersion") == 1 if "mlxBun" not in header else is_v1_layout(cp)
-    return _read_v1(cp, tokens, header.get("ns", ""), where) if v1 else _read_v2(cp, tokens, where)
+    return _read_v1(cp, tokens, header.get("ns", ""), where) if v1 else _read_v2(cp, tokens, where, state)
 
 
-def _read_v2(cp: dict, tokens: list, where: str) -> Checkpoint:
+def _read_v2(cp: dict, tokens: list, where: str, check_state: bool = True) -> Checkpoint:
     for name, ok, what in (
         ("key", lambda v: isinstance(v, str) and v != "", "a non-empty string"),
         ("cacheNs", lambda v: isinstance(v, str), "a string"),
         ("originalPromptTokens", lambda v: is_int(v) and 1 <= v <= len(tokens), f"an integer in [1, {len(tokens)}]"),
         ("generatedTokens", is_int, "an integer"),
-        ("pendingToken", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+        ("pendingToken", is_count32, f"a token id (an integer in 0..{INT32_MAX})"),
         ("seed", lambda v: is_int(v) and 0 <= v < 2**53, "an integer in [0, 2^53)"),
         ("seedWasExplicit", lambda v: isinstance(v, bool), "a boolean"),
     ):
@@ -124,7 +126,10 @@ def _read_v2(cp: dict, tokens: list, where: str) -> Checkpoint:
         )
     state = cp.get(OWN)
     if state is not None:
-        _check_state(state, f"{where}.{OWN}")
+        if check_state:
+            _check_state(state, f"{where}.{OWN}")
+        elif not isinstance(state, dict):
+            raise CorruptSnapshotError(f"{where}.{OWN} must be an object")
     return Checkpoint(
         cp["key"],
         cp["cacheNs"],

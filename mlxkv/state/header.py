@@ -107,6 +107,23 @@ def _check_pending(path: str, i: int, pending) -> None:
         raise CorruptSnapshotError(f"{path}: cache entry {i}: pendingConversion names no conversion: {e}") from None
 
 
+def check_tokens(where: str, tokens) -> list:
+    """``tokens`` if it is a list of token ids (mlxkv snapshots and mlx-bun files alike)."""
+    if type(tokens) is not list or not all(is_count32(t) for t in tokens):
+        raise CorruptSnapshotError(f"{where}: tokens must be a list of token ids (integers in 0..{INT32_MAX})")
+    return tokens
+
+
+def check_position(where: str, i: int, entry: dict, tokens: list) -> None:
+    """A positional cache (every kind but plain arrays) is at the offset the tokens reach."""
+    offset = entry["offset"]
+    if family_of_persisted(entry["kind"]).codec.positional and offset != len(tokens):
+        raise CorruptSnapshotError(
+            f"{where}: cache entry {i} ({entry['kind']}) is at offset {offset} but the snapshot has "
+            f"{len(tokens)} tokens"
+        )
+
+
 def check_header(st: SafetensorsHeader) -> dict:
     """The validated mlxkv header of a checked safetensors header (steps 9-19)."""
     path = st.path
@@ -127,9 +144,7 @@ def check_header(st: SafetensorsHeader) -> dict:
     for name in STRING_FIELDS:
         if type(header.get(name)) is not str:
             raise CorruptSnapshotError(f"{path}: {name} must be a string, got {str(header.get(name))[:40]}")
-    tokens = header.get("tokens")
-    if type(tokens) is not list or not all(is_count32(t) for t in tokens):
-        raise CorruptSnapshotError(f"{path}: tokens must be a list of token ids (integers in 0..{INT32_MAX})")
+    tokens = check_tokens(path, header.get("tokens"))
     entries = header.get("caches")
     if type(entries) is not list or not entries:
         raise CorruptSnapshotError(f"{path}: the snapshot lists no caches")
@@ -137,7 +152,7 @@ def check_header(st: SafetensorsHeader) -> dict:
     for i, entry in enumerate(entries):
         if type(entry) is not dict or type(entry.get("tensors")) is not list:
             raise CorruptSnapshotError(f"{path}: cache entry {i} is malformed")
-        family = family_of_persisted(entry.get("kind"))  # an unknown kind is named before its tensors
+        family_of_persisted(entry.get("kind"))  # an unknown kind is named before its tensors
         shapes = _check_tensor_refs(st, i, entry, seen)
         reuse = entry.get("minimumReusableOffset")
         if not is_count32(reuse):
@@ -149,11 +164,7 @@ def check_header(st: SafetensorsHeader) -> dict:
         offset = entry.get("offset")  # every kind has it; its family's fields type it too
         if not is_count32(offset):
             raise CorruptSnapshotError(f"{path}: cache entry {i}: offset must be an integer in 0..{INT32_MAX}")
-        if family.codec.positional and offset != len(tokens):
-            raise CorruptSnapshotError(
-                f"{path}: cache entry {i} ({entry['kind']}) is at offset {offset} but the snapshot has "
-                f"{len(tokens)} tokens"
-            )
+        check_position(path, i, entry, tokens)
         if reuse > offset:
             raise CorruptSnapshotError(
                 f"{path}: cache entry {i}: minimumReusableOffset {reuse} is beyond its offset {offset}"

@@ -16,8 +16,9 @@ pending conversions are refused before anything is written.
 """
 
 import calendar
+import contextlib
 import json
-import os
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..caches.transition import Bf16FirstCache
+from ..checks import INT32_MAX, is_count32, is_int
 from ..codecs.affine import SLOTS as AFFINE_SLOTS
 from ..codecs.turboquant import SLOTS as TURBO_SLOTS
 from ..errors import (
@@ -35,9 +37,11 @@ from ..errors import (
 )
 from ..families import family_of_kind, family_of_persisted, kind_of
 from ..io import mlxbun as container
-from ..io.tensor_reader import TensorReader
+from ..io.safetensors import ITEMSIZE
+from ..io.tensor_reader import TensorReader, check_allocation
 from .checkpoint import describe as describe_checkpoint
-from .checkpoint import normalized
+from .checkpoint import normalized, read_checkpoint
+from .header import check_position, check_tokens
 from .identity import IDENTITY_FIELDS
 from .kinds import check_entry
 from .snapshot import Snapshot, check_for_model, check_identity, decode, encode_layer
@@ -73,8 +77,8 @@ class MlxBunSnapshot(Snapshot):
     source: dict = field(default_factory=dict)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+#: the latest createdAt a file may record: 9999-12-31T23:59:59.999Z (an ISO year has 4 digits)
+MAX_CREATED_AT = 253402300799999
 
 
 def iso_time(ms: int) -> str:
@@ -85,7 +89,7 @@ def epoch_ms(created_at) -> int:
     """mlx-bun's ``createdAt`` from None (now), milliseconds, or mlxkv's ISO form."""
     if created_at is None:
         return int(time.time() * 1000)
-    if _is_int(created_at):
+    if is_int(created_at):
         return created_at
     try:
         return calendar.timegm(time.strptime(created_at, "%Y-%m-%dT%H:%M:%SZ")) * 1000
@@ -105,34 +109,49 @@ class _Layer:
     floor: int
 
 
-def _translate_entry(where: str, i: int, raw: dict, slots: list) -> _Layer:
+def _corrupt(where: str, why: str):
+    raise CorruptSnapshotError(f"{where}: {why}")
+
+
+def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Layer:
+    """The mlxkv entry of mlx-bun entry ``i`` (step 12 of docs/mlx-bun.md section 8)."""
     kind = raw.get("kind")
-    if not isinstance(kind, str):
-        raise CorruptSnapshotError(f"{where}: cache entry {i}: kind {kind!r} is not a string")
+    if type(kind) is not str:
+        _corrupt(where, f"cache entry {i}: kind {str(kind)[:40]!r} is not a string")
     if kind in REFUSED:
         raise UnsupportedKindError(kind, f"{where}: cache entry {i} is mlx-bun kind {kind!r}, {REFUSED[kind]}")
     if kind not in KINDS:
         raise UnsupportedKindError(
             kind,
-            f"{where}: cache entry {i} has kind {kind!r}, which mlx-bun's codec table (mlx-cache-v3) "
+            f"{where}: cache entry {i} has kind {kind[:40]!r}, which mlx-bun's codec table (mlx-cache-v3) "
             f"does not have; mlxkv reads mlx-bun kinds {', '.join(KINDS)}",
         )
     fields, names = KINDS[kind]
-    if len(slots) != len(names):
-        raise CorruptSnapshotError(
-            f"{where}: cache entry {i} ({kind}) has {len(slots)} tensors; mlx-bun's {kind} holds "
-            f"{len(names)} ({', '.join(names)})"
+    allowed = {"kind", *fields, "tensors", "minimumReusableOffset"}
+    extra, missing = set(raw) - allowed, set(fields) - set(raw)
+    if extra or missing:
+        _corrupt(
+            where,
+            f"cache entry {i} ({kind}) has fields {sorted(raw)[:12]}; mlx-bun's {kind} has exactly "
+            f"{', '.join(['kind', *fields, 'tensors'])} and an optional minimumReusableOffset",
         )
-    offset = raw.get("offset")
-    if not _is_int(offset) or offset < 0:
-        raise CorruptSnapshotError(f"{where}: cache entry {i} ({kind}): offset {offset!r} is not an integer >= 0")
+    if len(slots) != len(names):
+        _corrupt(
+            where,
+            f"cache entry {i} ({kind}) has {len(slots)} tensors; mlx-bun's {kind} holds "
+            f"{len(names)} ({', '.join(names)})",
+        )
+    offset = raw["offset"]
+    if not is_count32(offset):
+        _corrupt(where, f"cache entry {i} ({kind}): offset {str(offset)[:40]} is not an integer in 0..{INT32_MAX}")
     # old TurboQuant files carry no floor: reusable at their full offset only
     floor = raw.get("minimumReusableOffset", offset if kind == "turboquant" else 0)
-    if not _is_int(floor) or not 0 <= floor <= offset:
-        raise CorruptSnapshotError(
-            f"{where}: cache entry {i} ({kind}): invalid cache minimum reusable offset {floor!r} (offset {offset})"
+    if not is_count32(floor) or floor > offset:
+        _corrupt(
+            where,
+            f"cache entry {i} ({kind}): invalid cache minimum reusable offset {str(floor)[:40]} (offset {offset})",
         )
-    entry = {"kind": kind, **{f: raw.get(f) for f in fields}}
+    entry = {"kind": kind, **{f: raw[f] for f in fields}}
     if kind in RINGS:
         entry["keep"] = 0  # mlx-bun's rings are mlx-lm's with keep=0
     if kind == "ssm":
@@ -151,28 +170,32 @@ def _translate_entry(where: str, i: int, raw: dict, slots: list) -> _Layer:
         check_entry(entry, shapes)
     except CorruptSnapshotError as e:
         raise CorruptSnapshotError(f"{where}: cache entry {i}: {e}") from None
+    check_position(where, i, entry, tokens)
+    if kind in RINGS:  # the tail a ring grows never takes it past its window
+        rows = slots[0].info.shape[2]
+        if rows > entry["maxSize"]:
+            _corrupt(where, f"cache entry {i} ({kind}): a ring of {rows} rows, more than maxSize {entry['maxSize']}")
     return _Layer(entry, list(slots), floor)
 
 
-def translate(f: container.MlxBunFile) -> tuple[dict, list]:
-    """(the mlxkv header of an mlx-bun file, its layers); checks every entry, reads no tensor."""
-    where, raw = f"{f.path}: mlx-bun cache file", f.header
+def translate(f: container.MlxBunHeader) -> tuple[dict, list]:
+    """(the mlxkv header of an mlx-bun file, its layers): steps 10-13 of docs/mlx-bun.md
+    section 8 over a checked container; reads no tensor."""
+    where, raw = f.where, f.header
     provider = raw.get("codecProvider", container.CODEC_PROVIDER)
     if provider != container.CODEC_PROVIDER:
         raise SnapshotError(
-            f"{where}: cache codec provider {provider!r}: mlxkv reads mlx-bun's {container.CODEC_PROVIDER!r} "
-            "(its built-in codec table) only"
+            f"{where}: cache codec provider {str(provider)[:40]!r}: mlxkv reads mlx-bun's "
+            f"{container.CODEC_PROVIDER!r} (its built-in codec table) only"
         )
-    tokens = raw.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
-        raise CorruptSnapshotError(f"{where}: tokens must be a list of integers")
     created = raw.get("createdAt")
-    if not _is_int(created) or created < 0:
-        raise CorruptSnapshotError(f"{where}: createdAt {created!r} is not milliseconds since the epoch")
-    for i, att in enumerate(raw.get("attachments", [])):
-        if not isinstance(att.get("schema"), str) or not isinstance(att.get("metadata"), dict):
-            raise CorruptSnapshotError(f"{where}: attachment {i} needs a string schema and a metadata object")
-    layers = [_translate_entry(where, i, e, s) for i, (e, s) in enumerate(zip(raw.get("caches", []), f.caches))]
+    if not is_int(created) or not 0 <= created <= MAX_CREATED_AT:
+        _corrupt(where, f"createdAt {str(created)[:40]} is not milliseconds since the epoch (0..{MAX_CREATED_AT})")
+    for name in IDENTITY_FIELDS.values():
+        if name in raw and type(raw[name]) is not str:
+            _corrupt(where, f"{name} must be a string, got {str(raw[name])[:40]}")
+    tokens = check_tokens(where, raw.get("tokens"))
+    layers = [_translate_entry(where, i, e, s, tokens) for i, (e, s) in enumerate(zip(raw["caches"], f.caches))]
     header = {"formatVersion": f.version, "createdAt": iso_time(created), "codecProvider": PROVIDER}
     header.update({k: raw[k] for k in IDENTITY_FIELDS.values() if k in raw})
     header["tokens"] = list(tokens)
@@ -181,38 +204,43 @@ def translate(f: container.MlxBunFile) -> tuple[dict, list]:
         if k in raw:
             header[k] = raw[k]
     header["mlxBun"] = {"formatVersion": f.version, "createdAt": created, "codecProvider": provider, "layout": f.layout}
+    read_checkpoint(header, where, state=False)  # mlx-bun's fields; mlxkv's own state is a resume's to check
     return header, layers
 
 
-def read_mlx_bun_header(path: str) -> dict:
-    """The translated, checked header of an mlx-bun file; no tensor bytes are read."""
-    return translate(container.read_mlx_bun(path))[0]
+def _opened(source) -> contextlib.AbstractContextManager:
+    """An open mlx-bun file for ``source``: a path (opened here, closed after) or a file a
+    caller opened (``open_container``), which it closes."""
+    if isinstance(source, container.MlxBunFile):
+        return contextlib.nullcontext(source)
+    return container.MlxBunFile(source)
 
 
-def _check_hashes(f: container.MlxBunFile, progress=None) -> None:
-    fd = None if f.layout == "blocks" else os.open(f.path, os.O_RDONLY)
-    try:
-        done, total = 0, sum(s.nbytes for s in f.slots())
-        for slot in f.slots():
-            container.check_slot(f, slot, fd)
-            done += slot.nbytes
-            if progress:
-                progress(done, total)
-    finally:
-        if fd is not None:
-            os.close(fd)
+def read_mlx_bun_header(source) -> dict:
+    """The translated, checked header of an mlx-bun file (a path or an open
+    :class:`~mlxkv.io.mlxbun.MlxBunFile`); no tensor bytes are read."""
+    with _opened(source) as f:
+        return translate(f.header)[0]
 
 
-def _read_arrays(f: container.MlxBunFile, requests, progress) -> dict:
-    """name -> array for (slot, rows) requests: through TensorReader, or from blocks."""
-    if f.layout == "whole":
-        with TensorReader(f.tensor_source()) as reader:
-            return reader.read_all([(s.info.name, None, rows) for s, rows in requests], progress)
+def _restored_bytes(slot: container.Slot, rows) -> int:
+    """Bytes of the array a slot restores to (a growing cache's slack rows included)."""
+    shape = list(slot.info.shape)
+    if rows is not None and len(shape) == 4 and rows > shape[2]:
+        shape[2] = rows
+    return math.prod(shape) * ITEMSIZE[slot.info.dtype]
+
+
+def _read_arrays(f: container.MlxBunFile, requests, verify: bool, progress) -> dict:
+    """name -> array for (slot, rows) requests, each hash checked as it is read (``verify``):
+    through ``TensorReader`` on the file's descriptor, or from format 5's blocks."""
+    if f.header.layout == "whole":
+        reader = TensorReader(f)
+        return reader.read_all([(s.info.name, s.hash if verify else None, rows) for s, rows in requests], progress)
+    check_allocation(f.where, sum(_restored_bytes(s, rows) for s, rows in requests))
     out, done, total = {}, 0, sum(s.nbytes for s, _ in requests)
     for s, _ in requests:  # KVCache.adopt adds the slack rows itself
-        out[s.info.name] = container.array_from_bytes(
-            container.read_block_bytes(f, s, verify=False), s.info.dtype, s.info.shape
-        )
+        out[s.info.name] = container.read_block_tensor(f.header, s, verify)
         done += s.nbytes
         if progress:
             progress(done, total)
@@ -220,7 +248,7 @@ def _read_arrays(f: container.MlxBunFile, requests, progress) -> dict:
 
 
 def load_mlx_bun(
-    path: str,
+    source,
     model=None,
     *,
     verify: bool = True,
@@ -229,28 +257,30 @@ def load_mlx_bun(
     check: Callable[[str, dict], None] | None = None,
     **expect,
 ) -> MlxBunSnapshot:
-    """Restore an mlx-bun file as mlxkv caches (``mlxkv.load`` routes here by the magic).
+    """Restore an mlx-bun file (a path or an open :class:`~mlxkv.io.mlxbun.MlxBunFile`) as
+    mlxkv caches (``mlxkv.load`` routes here by the magic).
 
-    ``verify`` checks every tensor's wyhash (format 5: every block's sha256) before a cache
-    is built; mlx-bun itself checks them only on request, mlxkv by default."""
-    f = container.read_mlx_bun(path)
-    header, layers = translate(f)
-    check_identity(path, header, expect)
-    if model is not None:
-        check_for_model(path, header, model, allow_other_model)
-    if check is not None:
-        check(path, header)
-    if verify:
-        _check_hashes(f)
-    codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
-    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
-    requests += [(s, None) for group in f.attachments for s in group]
-    arrays = _read_arrays(f, requests, progress)
+    Every header check passes before an array is allocated; the tensors are then read through
+    the descriptor the header came from, ``verify`` checking every tensor's wyhash (format 5:
+    every block's sha256) on the bytes as they are read. mlx-bun itself checks them only on
+    request, mlxkv by default."""
+    with _opened(source) as f:
+        h, where = f.header, f.where
+        header, layers = translate(h)
+        check_identity(where, header, expect)
+        if model is not None:
+            check_for_model(where, header, model, allow_other_model)
+        if check is not None:
+            check(f.path, header)
+        codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
+        requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
+        requests += [(s, None) for group in h.attachments for s in group]
+        arrays = _read_arrays(f, requests, verify, progress)
     # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
     by_name = {
         ref["name"]: arrays.pop(s.info.name) for layer in layers for ref, s in zip(layer.entry["tensors"], layer.slots)
     }
-    caches = decode({"caches": [layer.entry for layer in layers]}, by_name)
+    caches = decode({"caches": [layer.entry for layer in layers]}, by_name, where)
     del by_name
     for cache in caches:
         mx.eval(cache.state)
@@ -260,16 +290,27 @@ def load_mlx_bun(
             "metadata": dict(raw["metadata"]),
             "tensors": [arrays.pop(s.info.name) for s in group],
         }
-        for raw, group in zip(f.header.get("attachments", []), f.attachments)
+        for raw, group in zip(h.header.get("attachments", []), h.attachments)
     ]
-    return MlxBunSnapshot(caches, list(header["tokens"]), header, path, attachments, f.header)
+    return MlxBunSnapshot(caches, list(header["tokens"]), header, f.path, attachments, h.header)
 
 
-def verify_mlx_bun(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
-    """Check the header hash, every entry, and every tensor hash (block sha256 in format 5)."""
-    f = container.read_mlx_bun(path)
-    header, _ = translate(f)
-    _check_hashes(f, progress)
+def verify_mlx_bun(source, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Check the header hash, every entry, and every tensor hash (block sha256 in format 5),
+    all through the one open file (a path or an open ``MlxBunFile``); returns the header."""
+    with _opened(source) as f:
+        h = f.header
+        header, _ = translate(h)
+        reader = TensorReader(f) if h.layout == "whole" else None
+        done, total = 0, sum(s.nbytes for s in h.slots())
+        for slot in h.slots():
+            if reader is not None:
+                reader.verify(slot.info.name, slot.hash)
+            else:
+                container.verify_blocks(h, slot)
+            done += slot.nbytes
+            if progress:
+                progress(done, total)
     return header
 
 
@@ -392,7 +433,10 @@ def save_mlx_bun(
     if att_entries:
         header["attachments"] = att_entries
     header.update({"codecProvider": container.CODEC_PROVIDER, "tokens": tokens, "caches": entries})
-    container.js_json(header)  # not JSON: refused before the file is opened
+    try:  # the reader's checks, on the header about to be written: a save never writes a file they refuse
+        translate(container.planned(path, header))
+    except SnapshotError as e:
+        raise SnapshotError(f"not saved: the file would not read back: {e}") from None
     return container.write_mlx_bun(
         path, header, arrays + att_arrays, layout=layout, block_bytes=block_bytes, progress=progress, fsync=fsync
     )
@@ -403,11 +447,12 @@ def save_mlx_bun(
 
 def file_format(path: str) -> str:
     """``"mlx-bun"``, ``"mlxkv"`` (a snapshot) or ``"mlx-lm"`` (any other safetensors file)."""
-    if container.is_mlx_bun_file(path):
-        return "mlx-bun"
-    from ..io.safetensors import read_safetensors_header
+    from ..io.containers import open_container
 
-    return "mlxkv" if "mlxkv" in read_safetensors_header(path).metadata else "mlx-lm"
+    with open_container(path) as f:
+        if isinstance(f, container.MlxBunFile):
+            return "mlx-bun"
+        return "mlxkv" if "mlxkv" in f.header.metadata else "mlx-lm"
 
 
 def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **identity) -> dict:
@@ -457,9 +502,12 @@ def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **ide
     raise SnapshotError(f"unknown snapshot format {to!r}: 'mlxkv' or 'mlx-bun'")
 
 
-def describe(path: str) -> tuple[list, list, list]:
-    """What ``mlxkv inspect`` prints for an mlx-bun file: (general rows, table headers, rows)."""
-    f = container.read_mlx_bun(path)
+def describe(source) -> tuple[list, list, list]:
+    """What ``mlxkv inspect`` prints for an mlx-bun file (a path or an open
+    :class:`~mlxkv.io.mlxbun.MlxBunFile`): (general rows, table headers, rows)."""
+    with _opened(source) as opened:
+        f = opened.header
+    path = f.path
     header, layers = translate(f)
     raw = f.header
     tokens = header["tokens"]

@@ -18,7 +18,6 @@ from ..caches.masks import ForwardMasks
 from ..caches.schemes import scheme_for_pending
 from ..caches.transition import Bf16FirstCache
 from ..errors import (
-    CorruptSnapshotError,
     EmptyCacheError,
     GeometryMismatchError,
     IdentityMismatchError,
@@ -26,7 +25,8 @@ from ..errors import (
     SnapshotError,
 )
 from ..families import family_of_kind, family_of_persisted, kind_of
-from ..io.mlxbun import is_mlx_bun_file
+from ..io.containers import open_container
+from ..io.mlxbun import MlxBunFile
 from ..io.safetensors import (
     CRC_PLACEHOLDER,
     SafetensorsFile,
@@ -289,11 +289,11 @@ def parse_header(st: SafetensorsHeader) -> dict:
 
 def read_header(path: str) -> dict:
     """The validated mlxkv header of ``path``; no tensor bytes are read."""
-    if is_mlx_bun_file(path):  # hook: an mlx-bun file, translated (state/mlxbun.py)
-        from .mlxbun import read_mlx_bun_header
+    with open_container(path) as file:
+        if isinstance(file, MlxBunFile):  # hook: an mlx-bun file, translated (state/mlxbun.py)
+            from .mlxbun import read_mlx_bun_header
 
-        return read_mlx_bun_header(path)
-    with SafetensorsFile(path) as file:
+            return read_mlx_bun_header(file)
         return check_header(file.header)
 
 
@@ -371,17 +371,23 @@ def read(
     (``Codec.capacity``); without it every tensor holds exactly its stored rows (a prompt
     store keeps them so). See ``load`` for ``model``, ``allow_other_model``, ``check``."""
     with SafetensorsFile(path) as file:
-        header = check_header(file.header)
-        check_identity(path, header, expect)
-        if model is not None:
-            check_for_model(path, header, model, allow_other_model)
-        if check is not None:
-            check(path, header)
-        requests = []
-        for entry in header["caches"]:
-            rows = family_of_persisted(entry["kind"]).codec.capacity(entry) if slack else None
-            requests += [(t["name"], t["crc32"] if verify else None, rows) for t in entry["tensors"]]
-        arrays = TensorReader(file).read_all(requests, progress)
+        return _read(file, model, verify, slack, progress, allow_other_model, check, expect)
+
+
+def _read(file: SafetensorsFile, model, verify, slack, progress, allow_other_model, check, expect):
+    """``read`` on a file already open (``load`` opens it with ``open_container``)."""
+    path = file.path
+    header = check_header(file.header)
+    check_identity(path, header, expect)
+    if model is not None:
+        check_for_model(path, header, model, allow_other_model)
+    if check is not None:
+        check(path, header)
+    requests = []
+    for entry in header["caches"]:
+        rows = family_of_persisted(entry["kind"]).codec.capacity(entry) if slack else None
+        requests += [(t["name"], t["crc32"] if verify else None, rows) for t in entry["tensors"]]
+    arrays = TensorReader(file).read_all(requests, progress)
     return header, arrays
 
 
@@ -429,15 +435,20 @@ def load(
     before any tensor is read (raise to refuse). The file is opened once: a snapshot
     renamed over ``path`` meanwhile is never mixed with the one being read.
     """
-    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
-        from .mlxbun import load_mlx_bun
+    with open_container(path) as file:
+        if isinstance(file, MlxBunFile):  # hook: an mlx-bun file (state/mlxbun.py)
+            from .mlxbun import load_mlx_bun
 
-        return load_mlx_bun(
-            path, model, verify=verify, progress=progress, allow_other_model=allow_other_model, check=check, **expect
-        )
-    header, arrays = read(
-        path, model, verify=verify, progress=progress, allow_other_model=allow_other_model, check=check, **expect
-    )
+            return load_mlx_bun(
+                file,
+                model,
+                verify=verify,
+                progress=progress,
+                allow_other_model=allow_other_model,
+                check=check,
+                **expect,
+            )
+        header, arrays = _read(file, model, verify, True, progress, allow_other_model, check, expect)
     caches = decode(header, arrays, path)
     del arrays
     for cache in caches:
@@ -447,23 +458,18 @@ def load(
 
 def verify(path: str, progress: Callable[[int, int], None] | None = None) -> dict:
     """Check every checksum of ``path`` without building caches; returns the header."""
-    if is_mlx_bun_file(path):  # hook: an mlx-bun file (state/mlxbun.py)
-        from .mlxbun import verify_mlx_bun
+    with open_container(path) as file:
+        if isinstance(file, MlxBunFile):  # hook: an mlx-bun file (state/mlxbun.py)
+            from .mlxbun import verify_mlx_bun
 
-        return verify_mlx_bun(path, progress)
-    with SafetensorsFile(path) as file:
+            return verify_mlx_bun(file, progress)
         st = file.header
         header = check_header(st)
         done, total = 0, st.file_size - st.data_start
         reader = TensorReader(file)
         for entry in header["caches"]:
             for t in entry["tensors"]:
-                got = reader.checksum(t["name"])
-                if got != t["crc32"]:
-                    raise CorruptSnapshotError(
-                        f"{path}: checksum mismatch in tensor {t['name']!r} (stored {t['crc32']}, "
-                        f"computed {got}): the file is damaged"
-                    )
+                reader.verify(t["name"], t["crc32"])
                 info = st.tensors[t["name"]]
                 done += info.end - info.begin
                 if progress:
