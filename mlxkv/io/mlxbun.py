@@ -94,15 +94,6 @@ def is_mlx_bun_magic(head: bytes) -> bool:
     return head[: len(MAGIC)] in (MAGIC, OLD_MAGIC)
 
 
-def is_mlx_bun_file(path: str) -> bool:
-    """Does ``path`` start with mlx-bun's cache-file magic (either generation)?"""
-    try:
-        with open(path, "rb") as f:
-            return is_mlx_bun_magic(f.read(len(MAGIC)))
-    except OSError:
-        return False
-
-
 def _where(path: str) -> str:
     return f"{path}: mlx-bun cache file"
 
