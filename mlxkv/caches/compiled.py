@@ -96,10 +96,10 @@ class CompiledDecoder:
             if self.fallback == "raise":
                 raise UnknownKindError(
                     e.kind,
-                    "no compiled-decode slot; pass fallback='eager' to decode such steps eagerly",
+                    f"{e.where or 'no compiled-decode slot'}; pass fallback='eager' to decode such steps eagerly",
                 ) from e
             warnings.warn(
-                f"compiled decode: cache kind {e.kind!r} has no slot; this step runs eagerly",
+                f"compiled decode: cache kind {e.kind!r} has no slot ({e.where}); this step runs eagerly",
                 EagerDecodeWarning,
                 stacklevel=3,
             )
