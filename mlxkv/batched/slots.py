@@ -36,6 +36,20 @@ def _i32(x) -> mx.array:
     return mx.array(np.asarray(x).astype(np.int32))
 
 
+def _plan(cache):
+    """The eager append's plan for one position and the traced column inputs it gives (the
+    write column, ``idx``, per-row ``s``, ``e``, ``w`` and query rank), built once per step
+    for every layer of the batch that shares these integers (the batch's mask memo)."""
+    key = ("decode-slot", cache.fmt.max_size, cache.fmt.keep, cache.capacity, cache.cols.key())
+
+    def build():
+        p = cache._plan(1)
+        c = p.cols
+        return p, (_i32([c.idx - 1]), _i32(c.idx), _i32(c.s), _i32(c.e), _i32(c.w), _i32(p.counts_before))
+
+    return cache.masks.get(key, build)
+
+
 def batched_attention_slot(cache) -> DecodeSlot:
     """The slot of a ``BatchedKVCache`` of plain, affine, ring or TurboQuant rows."""
     kind = cache.kind
@@ -47,14 +61,13 @@ def batched_attention_slot(cache) -> DecodeSlot:
             f"bf16-first rows {cache.bf16.rows.tolist()} have not converted yet and attend their bf16 "
             "positions; the batch decodes compiled once every row has converted",
         )
-    p = cache._plan(1)
+    p, where = _plan(cache)
     keys, values = cache.keys, cache.values
     if p.pack is not None:  # the buffer is full: the eager append's own repack
         src, width = p.pack
         keys, values, _ = cache._repacked(src, p.cols.idx - 1, width)
     st, cols = cache.fmt.storage, p.cols
     layout = BatchedWindowLayout(Phase(kind, "window", keys[0].shape[2]), st, cache.fmt.max_size)
-    where = (_i32([cols.idx - 1]), _i32(cols.idx), _i32(cols.s), _i32(cols.e), _i32(cols.w), _i32(p.counts_before))
     arrays = (cache.offset, *where, *keys, *values)
 
     def commit(new, dtype):
