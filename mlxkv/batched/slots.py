@@ -1,9 +1,12 @@
 """Compiled-decode slots of the batched layouts (mlx-lm's ``BatchGenerator`` decodes over them).
 
 ``batched_attention_slot`` serves ``BatchedKVCache`` rows of plain, affine, ring, affine
-ring and TurboQuant storage. The window is the batch's whole buffer ``[B, H, capacity, X]``:
-the capacity changes only when the batch repacks (every 256 columns of growth, a row joining
-or leaving), so one trace serves every step between repacks. Outside the graph the slot
+ring and TurboQuant storage. The batch's whole buffer ``[B, H, capacity, X]`` enters the
+graph and is written at a traced column (the batch adopts it: written in place); the step
+attends its first columns up to the append's, rounded up to ``ATTEND_STEP``. The capacity
+changes only when the batch repacks (every 256 columns of growth, a row joining or
+leaving), so one trace serves up to 64 steps (a ring, once it has wrapped and holds its
+columns, every step until its next repack). Outside the graph the slot
 takes the eager append's own plan (``BatchedKVCache._plan``): ring eviction (metadata), and
 when the buffer is full the same repack gather. Inside, the new position is encoded and
 written at a traced column, and the stand-in's mask is ``visibility_mask``'s rule
@@ -12,7 +15,7 @@ columns stay hidden. The commit adopts the written buffers and finishes the appe
 eager ``update_and_fetch`` does (columns, offsets, ``_after_append``, ``_convert_due_rows``),
 so the stored bytes are the eager step's.
 
-Phases: ``window`` (rows = the capacity); ``eager`` for an empty batch's first append and
+Phases: ``window`` (rows = the columns attended); ``eager`` for an empty batch's first append and
 for a step inside a padded prefill (``prepare`` .. ``finalize``), which are prefill steps.
 
 Refused (``UnknownKindError`` naming the kind and why; ``fallback="eager"`` decodes them
@@ -30,6 +33,11 @@ import numpy as np
 from ..caches.decode_slot import DecodeSlot, EagerLayout, Phase
 from ..errors import MLXKVError, UnknownKindError
 from .columns import visible
+
+#: the columns a step attends are the buffer's first columns up to the append's, rounded up
+#: to this (at most the capacity): one trace per 64 columns of growth, at most 63 attended
+#: columns beyond the eager window (masked)
+ATTEND_STEP = 64
 
 
 def _i32(x) -> mx.array:
@@ -67,7 +75,9 @@ def batched_attention_slot(cache) -> DecodeSlot:
         src, width = p.pack
         keys, values, _ = cache._repacked(src, p.cols.idx - 1, width)
     st, cols = cache.fmt.storage, p.cols
-    layout = BatchedWindowLayout(Phase(kind, "window", keys[0].shape[2]), st, cache.fmt.max_size)
+    capacity = keys[0].shape[2]
+    width = min(capacity, -(-cols.idx // ATTEND_STEP) * ATTEND_STEP)
+    layout = BatchedWindowLayout(Phase(kind, "window", width), st, cache.fmt.max_size, capacity)
     arrays = (cache.offset, *where, *keys, *values)
 
     def commit(new, dtype):
@@ -96,6 +106,7 @@ class BatchedWindowLayout:
     phase: Phase  # rows: the buffer's capacity
     storage: Any  # the batch's storage (plain, affine, TurboQuant)
     max_size: int | None  # a ring's window (None for linear rows)
+    capacity: int  # the buffer's columns (the phase's rows are the first columns attended)
 
     def open(self, arrays):
         offset, at, idx, s, e, w, q, *stored = arrays
@@ -129,7 +140,8 @@ class BatchedSlotCache:
         self.keys = tuple(put(a, x) for a, x in zip(self.keys, st.encode_keys(keys)))
         self.values = tuple(put(a, x) for a, x in zip(self.values, st.encode_values(values)))
         self.dtype = keys.dtype
-        return st.fetch_keys(self.keys, keys.dtype), st.fetch_values(self.values, keys.dtype)
+        attended = lambda t: tuple(a[..., : self.layout.phase.rows, :] for a in t)
+        return st.fetch_keys(attended(self.keys), keys.dtype), st.fetch_values(attended(self.values), keys.dtype)
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False, **_):
         if N != 1:
