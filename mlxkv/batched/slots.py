@@ -72,16 +72,16 @@ def batched_attention_slot(cache) -> DecodeSlot:
     p, where = _plan(cache)
     keys, values = cache.keys, cache.values
     if p.pack is not None:  # the buffer is full: the eager append's own repack
-        src, width = p.pack
-        keys, values, _ = cache._repacked(src, p.cols.idx - 1, width)
+        src, grown = p.pack
+        keys, values, _ = cache._repacked(src, p.cols.idx - 1, grown)
     st, cols = cache.fmt.storage, p.cols
     capacity = keys[0].shape[2]
     width = min(capacity, -(-cols.idx // ATTEND_STEP) * ATTEND_STEP)
     layout = BatchedWindowLayout(Phase(kind, "window", width), st, cache.fmt.max_size, capacity)
     arrays = (cache.offset, *where, *keys, *values)
+    n = len(keys)  # (the commit holds no buffer: the step can write it in place)
 
     def commit(new, dtype):
-        n = len(keys)
         cache.keys, cache.values = tuple(new[:n]), tuple(new[n:])
         cache.dtype = dtype
         cache.cols = cols
