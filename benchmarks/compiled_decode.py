@@ -17,7 +17,7 @@ dominates), and a synthetic llama of 8 layers, 1024 hidden, 8 heads of 128 (weig
 dominate). The machine's load is not controlled: read the ranges.
 
 Usage: python benchmarks/compiled_decode.py [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
-       --batch-sizes 1,4,16 --only-batched]
+       --batch-sizes 1,4,8 --only-batched]
 """
 
 import argparse
@@ -150,7 +150,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--large-prompt", type=int, default=480)
-    ap.add_argument("--batch-sizes", default="1,4,16", help="batched rows: batch sizes ('' for none)")
+    ap.add_argument("--batch-sizes", default="1,4,8", help="batched rows: batch sizes ('' for none)")
     ap.add_argument("--only-batched", action="store_true", help="skip the serial rows")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compiled_decode.json"))
     a = ap.parse_args(argv)
