@@ -7,11 +7,17 @@ through ``mlxkv.CompiledDecoder`` (compiled), each step evaluated before the nex
 (compiled / eager); the report is the median over rounds and the range of the ratio. Warm-up
 steps (the first trace, and the compiler's kernel builds) are excluded and reported apart.
 
+Batched (``--batch-sizes``): the same, over mlxkv's batched layouts (what mlx-lm's
+``BatchGenerator`` decodes over, ``BatchGenerator(mlxkv.compiled_model(model), ...)``): B serial
+cache lists prefilled with prompts of different lengths, merged into one batch per layer
+(``mlxkv.merge_rows``), then B rows decoded per step; tokens/s counts every row's token.
+
 Models: the seeded llama, gemma3 and hybrid (4 layers, 128 hidden: per-step overhead
 dominates), and a synthetic llama of 8 layers, 1024 hidden, 8 heads of 128 (weights
 dominate). The machine's load is not controlled: read the ranges.
 
-Usage: python benchmarks/compiled_decode.py [--rounds 7 --steps 8 --prompt 200 --large-prompt 480]
+Usage: python benchmarks/compiled_decode.py [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
+       --batch-sizes 1,4,8 --only-batched]
 """
 
 import argparse
@@ -40,6 +46,7 @@ SCHEMES = [
     ("qfilters-b128-s4-r16", {"calib_tokens": 64}),
     ("bf16", {"max_kv_size": 128}),
 ]
+BATCHED_SCHEMES = [("bf16", {}), ("kv4", {}), ("turbo-k8v3", {})]
 LARGE = {
     "hidden_size": 1024,
     "num_hidden_layers": 8,
@@ -72,9 +79,27 @@ def decode(step, caches, y, n):
     return time.perf_counter() - t0, y
 
 
-def compare(model, scheme, options, tokens, rounds, steps):
-    eager_caches, ye = prefilled(model, scheme, options, tokens)
-    comp_caches, yc = prefilled(model, scheme, options, tokens)
+_ROWS: dict = {}  # (model id, scheme, prompt) -> prefilled rows, reused across batch sizes and modes
+
+
+def batch_prefilled(model, scheme, options, tokens, B):
+    """One batch per layer of B rows, row i prefilled with the last ``len(tokens) - 7 i``
+    tokens (rows of different lengths: left padding, as in serving). The serial rows are
+    prefilled once; every call merges fresh batches from them (merging copies)."""
+    rows = _ROWS.setdefault((id(model), label(scheme, options), len(tokens)), [])
+    while len(rows) < B:
+        rows.append(prefilled(model, scheme, options, tokens[min(7 * len(rows), len(tokens) - 1) :]))
+    batch = [mlxkv.merge_rows(list(layer)) for layer in zip(*(c for c, _ in rows[:B]))]
+    return batch, mx.concatenate([y for _, y in rows[:B]], axis=0)
+
+
+def compare(model, scheme, options, tokens, rounds, steps, B=None):
+    if B is None:
+        eager_caches, ye = prefilled(model, scheme, options, tokens)
+        comp_caches, yc = prefilled(model, scheme, options, tokens)
+    else:
+        eager_caches, ye = batch_prefilled(model, scheme, options, tokens, B)
+        comp_caches, yc = batch_prefilled(model, scheme, options, tokens, B)
     decoder = mlxkv.CompiledDecoder(model)
     eager = lambda y, c: model(y, cache=c)
     warm_eager, ye = decode(eager, eager_caches, ye, 2)
@@ -82,9 +107,9 @@ def compare(model, scheme, options, tokens, rounds, steps):
     te, tc = [], []
     for _ in range(rounds):
         t, ye = decode(eager, eager_caches, ye, steps)
-        te.append(steps / t)
+        te.append(steps * (B or 1) / t)
         t, yc = decode(decoder, comp_caches, yc, steps)
-        tc.append(steps / t)
+        tc.append(steps * (B or 1) / t)
     ratios = [c / e for c, e in zip(tc, te)]
     return {
         "scheme": label(scheme, options),
@@ -95,20 +120,23 @@ def compare(model, scheme, options, tokens, rounds, steps):
         "warmup_s": {"eager": warm_eager, "compiled": warm_comp},
         "traces": decoder.traces,
         "eager_steps": decoder.eager_steps,
-        "context_end": comp_caches[-1].offset,
-        "same_tokens": int(ye.item()) == int(yc.item()),
+        "context_end": int(mx.array(comp_caches[-1].offset).max().item()),
+        "same_tokens": mx.array_equal(ye, yc).item(),
     }
 
 
-def run(models, rounds, steps):
+def run(models, rounds, steps, B=None):
     out = []
     for name, model, n_prompt, schemes in models:
         tokens = prompt(n_prompt, seed=21)
         for scheme, options in schemes:
-            row = {"model": name, "prompt": n_prompt, **compare(model, scheme, options, tokens, rounds, steps)}
+            row = {"model": name, "prompt": n_prompt, **compare(model, scheme, options, tokens, rounds, steps, B)}
+            if B is not None:
+                row["batch"] = B
             out.append(row)
             print(
-                f"{name:>7} {row['scheme']:<28} eager {row['eager_tok_s']:7.1f} tok/s  compiled "
+                f"{name:>7} {'' if B is None else f'B={B} '}{row['scheme']:<28} "
+                f"eager {row['eager_tok_s']:7.1f} tok/s  compiled "
                 f"{row['compiled_tok_s']:7.1f} tok/s  x{row['ratio']:.2f} "
                 f"[{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}]  traces {row['traces']}",
                 flush=True,
@@ -122,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--large-prompt", type=int, default=480)
+    ap.add_argument("--batch-sizes", default="1,4,8", help="batched rows: batch sizes ('' for none)")
+    ap.add_argument("--only-batched", action="store_true", help="skip the serial rows")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compiled_decode.json"))
     a = ap.parse_args(argv)
 
@@ -134,8 +164,12 @@ def main(argv=None):
         "large_config": LARGE,
         "rounds": a.rounds,
         "steps_per_round": a.steps,
-        "rows": run(models, a.rounds, a.steps),
+        "rows": [] if a.only_batched else run(models, a.rounds, a.steps),
+        "batched_rows": [],
     }
+    batched = [(name, m, n, list(BATCHED_SCHEMES)) for name, m, n, _ in (models[0], models[-1])]
+    for B in [int(b) for b in a.batch_sizes.split(",") if b]:
+        res["batched_rows"] += run(batched, a.rounds, a.steps, B)
     res["seconds"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:

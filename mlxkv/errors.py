@@ -9,7 +9,7 @@ class UnknownKindError(MLXKVError):
     """A cache kind (or persisted kind) that no family of the kind table handles."""
 
     def __init__(self, kind, where: str = "", known=()):
-        self.kind = kind
+        self.kind, self.where = kind, where
         at = f" ({where})" if where else ""
         listed = f" Known persisted kinds: {', '.join(known)}." if known else ""
         super().__init__(f"unknown cache kind {kind!r}{at}: no codec or dispatch handles it.{listed}")

@@ -39,6 +39,8 @@ class Family:
       layout; None when rows of this family cannot share a batch;
     - ``decode_slot``: ``decode_slot(cache) -> DecodeSlot`` for one compiled decode step, or
       None;
+    - ``batched_slot``: the same for a batch of this family's rows (its batched layout), or
+      None;
     - ``scheme``: ``(pattern, parse)`` where ``parse(match, options) -> Scheme`` builds the
       caches of a scheme string matching ``pattern``; None for families no scheme names
       (rings and recurrent state follow the model's own layers).
@@ -51,6 +53,7 @@ class Family:
     fields: Mapping[str, str] = field(default_factory=dict)
     rows: Callable | None = None
     decode_slot: Callable | None = None
+    batched_slot: Callable | None = None
     scheme: tuple[str, Callable] | None = None
 
     def matches(self, kind: str) -> bool:
@@ -123,6 +126,14 @@ def family_of_batched_kind(kind: str) -> Family:
             if f.rows is not None and (kind.startswith(b) if b.endswith(":") else kind == b):
                 return f
     raise _unknown(kind, "batched rows: not a batched layout mlxkv knows")
+
+
+def slot_builder(kind: str) -> Callable | None:
+    """The compiled-decode slot builder of a live ``kind``: its family's ``decode_slot``, or
+    for a batched layout (``kv:batched-...``) its family's ``batched_slot``."""
+    if isinstance(kind, str) and kind.startswith(BATCHED_PREFIX):
+        return family_of_batched_kind(kind).batched_slot
+    return family_of_kind(kind).decode_slot
 
 
 def scheme_families() -> list[Family]:

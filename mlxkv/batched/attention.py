@@ -188,16 +188,20 @@ class BatchedKVCache(RowOffsets, CacheContract):
     def _after_append(self, N: int):
         """Hook run after the new positions are stored (eviction policies)."""
 
-    def _repack(self, cols: Columns, end: int, width: int, counts=None):
-        """Every row right-aligned at column ``end`` of ``width`` columns from layout
-        ``cols`` (only each row's first ``counts`` positions when given): one gather."""
+    def _repacked(self, cols: Columns, end: int, width: int, counts=None):
+        """(keys, values, bf16) with every row right-aligned at column ``end`` of ``width``
+        columns from layout ``cols`` (only each row's first ``counts`` positions when given):
+        one gather; the batch is not changed."""
         rows = np.arange(self.batch_size)
         src, valid = source_columns(cols, rows, width, counts, end)
         st = self.fmt.storage
-        self.keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
-        self.values = gather_columns(self.values, rows, src, valid, st.value_fills)
-        if self.bf16 is not None:
-            self.bf16 = self.bf16.regathered(cols, end, width, counts)
+        keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
+        values = gather_columns(self.values, rows, src, valid, st.value_fills)
+        bf16 = None if self.bf16 is None else self.bf16.regathered(cols, end, width, counts)
+        return keys, values, bf16
+
+    def _repack(self, cols: Columns, end: int, width: int, counts=None):
+        self.keys, self.values, self.bf16 = self._repacked(cols, end, width, counts)
 
     def _keep_first(self, counts: np.ndarray):
         """Keep each row's first ``counts`` stored positions (drop its tail), repacked."""

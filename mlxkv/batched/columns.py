@@ -156,13 +156,19 @@ def visibility_mask(cols: Columns, counts_before: np.ndarray, N: int, lo: int, w
     and, with a window, within ``window`` ranks of it: mlx-lm's causal and sliding-window
     rules, applied to each row's own positions, so padding and gaps are never attended.
     """
-    s = mx.array(cols.s.astype(np.int32))[:, None]
-    e = mx.array(cols.e.astype(np.int32))[:, None]
-    w = mx.array(cols.w.astype(np.int32))[:, None]
-    c = mx.arange(lo, cols.idx)[None, :]
-    stored = ((c >= s) & (c < e)) | (c >= w)
+    i32 = lambda x: mx.array(np.asarray(x).astype(np.int32))
+    q = i32(counts_before)[:, None] + mx.arange(N)[None, :]
+    return visible(i32(cols.s), i32(cols.e), i32(cols.w), cols.idx, mx.arange(lo, cols.idx), q, window)
+
+
+def visible(s, e, w, idx, c, q, window: int | None):
+    """The rule of ``visibility_mask`` over int32 arrays (a compiled decode step traces it):
+    per-row ``s``, ``e``, ``w`` [B], ``idx`` (int or int32 scalar), columns ``c`` [C],
+    query ranks ``q`` [B, N] -> ``[B, 1, N, C]``. Columns at or past ``idx`` are not stored."""
+    s, e, w, c = s[:, None], e[:, None], w[:, None], c[None, :]
+    stored = ((c >= s) & (c < e)) | ((c >= w) & (c < idx))
     rank = mx.where(c < e, c - s, (e - s) + c - w)[:, None, :]
-    q = (mx.array(counts_before.astype(np.int32))[:, None] + mx.arange(N)[None, :])[:, :, None]
+    q = q[:, :, None]
     mask = stored[:, None, :] & (rank <= q)
     if window is not None:
         mask = mask & (rank > q - window)

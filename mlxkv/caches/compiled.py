@@ -11,9 +11,14 @@ trace serves every step of that phase. ``traces`` counts how often the model was
 anything else that calls ``model(tokens, cache=caches)``) decode through the compiled step;
 prompts (more than one position) run eagerly.
 
+mlx-lm's ``BatchGenerator`` given ``compiled_model(model)`` decodes mlxkv's batched layouts
+through it too (their slots: ``mlxkv.batched.slots``).
+
 Steps that cannot be compiled: an empty cache's first append runs eagerly (it fixes the
-cache's geometry, like a prefill). A cache whose kind has no slot (a batched layout, a cache
-without an mlxkv kind) raises :class:`~mlxkv.errors.UnknownKindError`, and a model that
+cache's geometry, like a prefill), as does a one-position step inside a batch's padded
+prefill. A cache whose kind has no slot (a cache without an mlxkv kind, a batch of eviction
+rows, a bf16-first batch with rows not converted yet) raises
+:class:`~mlxkv.errors.UnknownKindError` naming the kind and why, and a model that
 cannot be traced raises :class:`~mlxkv.errors.MLXKVError`, before anything is written; with
 ``fallback="eager"`` such a step runs eagerly with an :class:`~mlxkv.errors.EagerDecodeWarning`.
 """
@@ -96,10 +101,10 @@ class CompiledDecoder:
             if self.fallback == "raise":
                 raise UnknownKindError(
                     e.kind,
-                    "no compiled-decode slot; pass fallback='eager' to decode such steps eagerly",
+                    f"{e.where or 'no compiled-decode slot'}; pass fallback='eager' to decode such steps eagerly",
                 ) from e
             warnings.warn(
-                f"compiled decode: cache kind {e.kind!r} has no slot; this step runs eagerly",
+                f"compiled decode: cache kind {e.kind!r} has no slot ({e.where}); this step runs eagerly",
                 EagerDecodeWarning,
                 stacklevel=3,
             )

@@ -214,11 +214,12 @@ class RingLayout:
 
 class RecurrentSlotCache:
     """Recurrent state inside the trace: the model reads and replaces entries and advances
-    it; what it leaves behind leaves the graph as arrays."""
+    it; what it leaves behind leaves the graph as arrays. ``left_padding`` (traced, or None)
+    is what the model's mask reads; the commit's ``advance`` moves the real one."""
 
-    def __init__(self, entries):
+    def __init__(self, entries, left_padding=None):
         self.cache = list(entries)
-        self.lengths = self.left_padding = None
+        self.lengths, self.left_padding = None, left_padding
         self.advanced = 0
 
     def __getitem__(self, i):
@@ -231,7 +232,10 @@ class RecurrentSlotCache:
         self.advanced += n
 
     def make_mask(self, N: int, **_):
-        return None
+        if self.left_padding is None:
+            return None
+        # mlx-lm's ArraysCache.make_mask, before this step's advance
+        return mx.arange(N)[None, :] >= self.left_padding[:, None]
 
     def outputs(self):
         return tuple(a for a in self.cache if a is not None)
@@ -245,10 +249,13 @@ class RecurrentSlotCache:
 class RecurrentLayout:
     phase: Phase
     present: tuple  # which entries hold arrays (the others are None)
+    padded: bool = False  # the last array is the left padding
 
     def open(self, arrays):
+        arrays = list(arrays)
+        left_padding = arrays.pop() if self.padded else None
         it = iter(arrays)
-        return RecurrentSlotCache([next(it) if p else None for p in self.present])
+        return RecurrentSlotCache([next(it) if p else None for p in self.present], left_padding)
 
 
 @dataclass(frozen=True)

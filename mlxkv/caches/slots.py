@@ -22,7 +22,7 @@ import copy
 import mlx.core as mx
 
 from ..errors import UnknownKindError
-from ..families import family_of_kind, kind_of
+from ..families import kind_of, slot_builder
 from .decode_slot import (
     AffineStore,
     DecodeSlot,
@@ -164,12 +164,14 @@ def ring_decode_slot(cache) -> DecodeSlot:
 
 
 def recurrent_decode_slot(cache) -> DecodeSlot:
-    if cache.left_padding is not None or cache.lengths is not None:
-        raise UnknownKindError(cache.kind, "a compiled decode step takes recurrent state without padding or lengths")
-    if all(a is None for a in cache.cache):
+    """The state arrays in and out (a serial ``ssm`` cache or its batch). Left padding enters
+    as a traced array (the model's mask reads it; the commit's ``advance`` moves it); a
+    padded prefill in progress (``lengths`` set) is a prefill step and runs eagerly."""
+    if cache.lengths is not None or all(a is None for a in cache.cache):
         return _eager(cache)
     present = tuple(a is not None for a in cache.cache)
-    layout = RecurrentLayout(Phase(cache.kind, "recurrent"), present)
+    padded = cache.left_padding is not None
+    layout = RecurrentLayout(Phase(cache.kind, "recurrent"), present, padded)
 
     def commit(new, effects):
         after, advanced = effects
@@ -178,7 +180,8 @@ def recurrent_decode_slot(cache) -> DecodeSlot:
             cache[i] = next(it) if p else cache[i]
         cache.advance(advanced)
 
-    return DecodeSlot(layout, tuple(a for a in cache.cache if a is not None), commit)
+    state = tuple(a for a in cache.cache if a is not None)
+    return DecodeSlot(layout, (*state, cache.left_padding) if padded else state, commit)
 
 
 # -- dispatch --------------------------------------------------------------------------------
@@ -186,7 +189,7 @@ def recurrent_decode_slot(cache) -> DecodeSlot:
 
 def _family_slot(cache) -> DecodeSlot:
     kind = kind_of(cache)
-    build = family_of_kind(kind).decode_slot
+    build = slot_builder(kind)
     if build is None:
         raise UnknownKindError(kind, "no compiled-decode slot for this kind")
     return build(cache)

@@ -9,6 +9,7 @@ cache module, one codec module and one record here (or ``register_family`` from 
 from ..batched.arrays import arrays_rows
 from ..batched.formats import affine_ring_rows, affine_rows, plain_rows, ring_rows, turbo_rows
 from ..batched.qfilters import qfilters_rows
+from ..batched.slots import batched_attention_slot, eviction_batch_slot
 from ..batched.tova import tova_rows
 from ..caches.arrays import ArraysCache
 from ..caches.plain import PLAIN_SCHEME, KVCache, plain_scheme
@@ -48,6 +49,7 @@ FAMILIES = [
         fields={"offset": COUNT},
         rows=plain_rows,
         decode_slot=plain_decode_slot,
+        batched_slot=batched_attention_slot,
         scheme=(PLAIN_SCHEME, plain_scheme),
     ),
     Family(
@@ -58,6 +60,7 @@ FAMILIES = [
         fields={"offset": COUNT, **AFFINE_FIELDS},
         rows=affine_rows,
         decode_slot=affine_decode_slot,
+        batched_slot=batched_attention_slot,
         scheme=(AFFINE_SCHEME, affine_scheme),
     ),
     Family(
@@ -68,6 +71,7 @@ FAMILIES = [
         fields=RING_FIELDS,
         rows=ring_rows,
         decode_slot=ring_decode_slot,
+        batched_slot=batched_attention_slot,
     ),
     Family(
         kind="kv:rotating-quant:",
@@ -77,6 +81,7 @@ FAMILIES = [
         fields={**RING_FIELDS, **AFFINE_FIELDS},
         rows=affine_ring_rows,
         decode_slot=ring_decode_slot,
+        batched_slot=batched_attention_slot,
     ),
     Family(
         kind="ssm",
@@ -86,6 +91,7 @@ FAMILIES = [
         fields={"offset": COUNT, "size": COUNT},
         rows=arrays_rows,
         decode_slot=recurrent_decode_slot,
+        batched_slot=recurrent_decode_slot,
     ),
     Family(
         kind="kv:turboquant:",
@@ -95,6 +101,7 @@ FAMILIES = [
         fields={"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT},
         rows=turbo_rows,
         decode_slot=turbo_decode_slot,
+        batched_slot=batched_attention_slot,
         scheme=(TURBO_SCHEME, turbo_scheme),
     ),
     Family(
@@ -105,6 +112,7 @@ FAMILIES = [
         fields=BUDGET_FIELDS,
         rows=tova_rows,
         decode_slot=eviction_decode_slot,
+        batched_slot=eviction_batch_slot,
         scheme=(TOVA_SCHEME, tova_scheme),
     ),
     Family(
@@ -115,6 +123,7 @@ FAMILIES = [
         fields={**BUDGET_FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG},
         rows=qfilters_rows,
         decode_slot=eviction_decode_slot,
+        batched_slot=eviction_batch_slot,
         scheme=(QFILTERS_SCHEME, qfilters_scheme),
     ),
 ]
