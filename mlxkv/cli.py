@@ -20,16 +20,6 @@ from collections import Counter
 from .errors import MLXKVError
 from .serve.options import add_arguments as add_serve_arguments
 
-DEMO_SCHEMES = (
-    "bf16",
-    "kv4",
-    "kv8-g32",
-    "kv4-start16",
-    "turbo-k8v3",
-    "turbo-k4v2-start16",
-    "tova-b32-s4",
-    "qfilters-b32-s4-r8",
-)
 QUICK_SCHEMES = ("bf16", "kv4", "kv4-start16")
 # make_cache options per demo scheme: Q-Filters' key-SVD fallback freezes after 16 keys
 # (default 128) so the demo's 48 positions include evictions
@@ -246,11 +236,11 @@ def _demo_run(arch, model, scheme, workdir, prompt_len, before, after, sampler, 
 def cmd_demo(args) -> int:
     import numpy as np
 
-    from .seeded import ARCHITECTURES, build_model
+    from .seeded import ARCHITECTURES, SCHEMES, build_model
     from .state.sampler import Sampler
 
     warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
-    schemes = QUICK_SCHEMES if args.quick else DEMO_SCHEMES
+    schemes = QUICK_SCHEMES if args.quick else SCHEMES
     if args.schemes:
         schemes = tuple(args.schemes.split(","))
     archs = tuple(args.archs.split(",")) if args.archs else ARCHITECTURES

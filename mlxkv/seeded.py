@@ -57,6 +57,17 @@ CONFIGS = {
 }
 
 ARCHITECTURES = tuple(CONFIGS)
+#: one scheme of every cache family (and both bf16-first targets), sized for the seeded models
+SCHEMES = (
+    "bf16",
+    "kv4",
+    "kv8-g32",
+    "kv4-start16",
+    "turbo-k8v3",
+    "turbo-k4v2-start16",
+    "tova-b32-s4",
+    "qfilters-b32-s4-r8",
+)
 
 
 def build_model(arch: str, seed: int = 0, dtype=mx.bfloat16, **overrides):

@@ -27,6 +27,7 @@ a seeded model, ``Session.restore`` on that model) and classifies the outcome:
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -423,18 +424,18 @@ class Corpus:
         self.data = {n: open(os.path.join(FIXTURES, by_name[n]["file"]), "rb").read() for n in self.names}
         self.model = {n: by_name[n]["model"] for n in self.names}
         self.digest = {n: digest(mlxkv.load(os.path.join(FIXTURES, by_name[n]["file"]))) for n in self.names}
-        self._models = {}
 
     def model_for(self, name):
+        """The seeded model fixture ``name`` was saved from (None for a model-less fixture)."""
         m = self.model[name]
-        if m is None:
-            return None
-        key = (m["arch"], m["seed"])
-        if key not in self._models:
-            from mlxkv.seeded import build_model
+        return None if m is None else seeded_model(m["arch"], m["seed"])
 
-            self._models[key] = build_model(m["arch"], seed=m["seed"])
-        return self._models[key]
+
+@functools.cache
+def seeded_model(arch: str, seed: int):
+    from mlxkv.seeded import build_model
+
+    return build_model(arch, seed=seed)
 
 
 def make_case(corpus: Corpus, seed: int, index: int):

@@ -27,7 +27,7 @@ import random
 import shutil
 import struct
 
-from fuzzing import _edit_json, _get, _nodes, deep, digest, dumps, run_case
+from fuzzing import _edit_json, _get, _nodes, deep, digest, dumps, run_case, seeded_model
 
 import mlxkv
 from mlxkv.io.mlxbun import MAGIC, PREFIX, PREFIX_LEN, align_up
@@ -357,18 +357,10 @@ class BunCorpus:
         self.blocks = os.path.join(workdir, "blocks")
         shutil.copytree(os.path.join(BUN, "blocks"), self.blocks, dirs_exist_ok=True)
         self.block_names = sorted(os.listdir(self.blocks))
-        self._models = {}
 
     def model_for(self, name):
         m = self.model[name]
-        if m is None:
-            return None
-        key = (m["arch"], m["seed"])
-        if key not in self._models:
-            from mlxkv.seeded import build_model
-
-            self._models[key] = build_model(m["arch"], seed=m["seed"])
-        return self._models[key]
+        return None if m is None else seeded_model(m["arch"], m["seed"])
 
 
 def make_case(corpus: BunCorpus, seed: int, index: int):

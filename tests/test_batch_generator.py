@@ -7,14 +7,13 @@ import copy
 
 import mlx.core as mx
 import pytest
+from batch_helpers import drive
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import LRUPromptCache
 
 import mlxkv
-from mlxkv.seeded import ARCHITECTURES, build_model, prompt, tokenizer
+from mlxkv.seeded import ARCHITECTURES, SCHEMES, build_model, prompt, tokenizer
 
-SCHEMES = ["bf16", "kv4", "kv8-g32", "kv4-start16", "turbo-k8v3", "turbo-k4v2-start16", "tova-b32-s4"]
-SCHEMES += ["qfilters-b32-s4-r8"]
 #: affine bf16-first rows share a batch with rows of the other precision: a converted row then
 #: attends its dequantized codes through the dense kernel (docs/serving.md); on the bf16 seeded
 #: models that moves log-probabilities by up to ~0.1, which can swap near-tied greedy tokens,
@@ -35,19 +34,7 @@ def batched(model, scheme, prompts):
     """Rows 0-2 start together, row 3 joins after JOIN_AT decode steps; rows finish early."""
     gen = BatchGenerator(model, prefill_step_size=STEP, completion_batch_size=4, prefill_batch_size=2)
     make = lambda: mlxkv.make_cache(model, scheme)
-    uids = gen.insert(prompts[:3], list(MAX_TOKENS[:3]), caches=[make() for _ in range(3)])
-    toks, lps, caches, steps = {}, {}, {}, 0
-    while responses := gen.next_generated():
-        steps += 1
-        if steps == JOIN_AT:
-            uids += gen.insert([prompts[3]], [MAX_TOKENS[3]], caches=[make()])
-        for r in responses:
-            toks.setdefault(r.uid, []).append(r.token)
-            lps.setdefault(r.uid, []).append(r.logprobs)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    gen.close()
-    return [toks[u] for u in uids], [lps[u] for u in uids], [caches[u] for u in uids]
+    return drive(gen, prompts, MAX_TOKENS, make, JOIN_AT)
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,9 @@ import mlxkv
 from mlxkv.caches.compiled import CompiledDecoder, compiled_model
 from mlxkv.caches.decode_slot import Phase
 from mlxkv.caches.slots import decode_phase, decode_slot
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.seeded import SCHEMES, prompt, tokenizer
 
 STEPS = 64
-SCHEMES = [
-    "bf16",
-    "kv4",
-    "kv8-g32",
-    "kv4-start16",
-    "turbo-k8v3",
-    "turbo-k4v2-start16",
-    "tova-b32-s4",
-    "qfilters-b32-s4-r8",
-]
 OPTIONS = {"qfilters-b32-s4-r8": {"calib_tokens": 24}}  # calibrates, then evicts, within the run
 CASES = [(arch, s, OPTIONS.get(s, {})) for arch in ("llama", "gemma3", "hybrid") for s in SCHEMES]
 # rings: one fills, then wraps; one gets a prompt longer than itself (trimmed at the first step)

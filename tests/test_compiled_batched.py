@@ -9,6 +9,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from batch_helpers import drive
 from mlx_lm.generate import BatchGenerator
 
 import mlxkv
@@ -64,19 +65,7 @@ def serve(fn, model, scheme, lens=LENS, max_tokens=MAX_TOKENS, join_at=JOIN_AT):
     gen = BatchGenerator(rec, prefill_step_size=16, completion_batch_size=4, prefill_batch_size=2)
     make = lambda: mlxkv.make_cache(model, scheme)
     prompts = [prompt(n, seed=30 + i) for i, n in enumerate(lens)]
-    uids = gen.insert(prompts[:-1], list(max_tokens[:-1]), caches=[make() for _ in prompts[:-1]])
-    toks, lps, caches, steps = {}, {}, {}, 0
-    while responses := gen.next_generated():
-        steps += 1
-        if steps == join_at:
-            uids += gen.insert([prompts[-1]], [max_tokens[-1]], caches=[make()])
-        for r in responses:
-            toks.setdefault(r.uid, []).append(r.token)
-            lps.setdefault(r.uid, []).append(r.logprobs)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    gen.close()
-    return [toks[u] for u in uids], [lps[u] for u in uids], [caches[u] for u in uids], rec
+    return (*drive(gen, prompts, max_tokens, make, join_at), rec)
 
 
 def saved(path, caches):

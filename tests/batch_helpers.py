@@ -1,0 +1,20 @@
+"""Driving mlx-lm's BatchGenerator as a server does, shared by the batch-engine tests."""
+
+
+def drive(gen, prompts, max_tokens, make, join_at):
+    """Every prompt but the last starts at once, the last joins after ``join_at`` decode
+    steps; rows finish at their own ``max_tokens``. ``make()`` gives a row's caches. Returns
+    per row, in prompt order: tokens, log-probabilities, the finished row's caches."""
+    uids = gen.insert(prompts[:-1], list(max_tokens[:-1]), caches=[make() for _ in prompts[:-1]])
+    toks, lps, caches, steps = {}, {}, {}, 0
+    while responses := gen.next_generated():
+        steps += 1
+        if steps == join_at:
+            uids += gen.insert([prompts[-1]], [max_tokens[-1]], caches=[make()])
+        for r in responses:
+            toks.setdefault(r.uid, []).append(r.token)
+            lps.setdefault(r.uid, []).append(r.logprobs)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    gen.close()
+    return [toks[u] for u in uids], [lps[u] for u in uids], [caches[u] for u in uids]
