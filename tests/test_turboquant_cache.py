@@ -1,12 +1,11 @@
 """TurboQuantKVCache: storage, reads (eager and deferred), conversion, compiled-decode slot."""
 
+import os
+import sys
 import warnings
 
 import mlx.core as mx
 import mlx_lm
-import mlx_lm.models.gemma3_text
-import mlx_lm.models.lfm2
-import mlx_lm.models.llama
 import pytest
 from conftest import greedy, run
 from mlx_lm.generate import generate_step
@@ -19,6 +18,9 @@ from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
 from mlxkv.seeded import prompt, tokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from turboquant import NamedReadSite, named_read_attention  # noqa: E402  (the benchmark's attention site)
 
 
 def kv(L, d=64, H=2, seed=0, dtype=mx.float32):
@@ -166,34 +168,11 @@ def test_deferred_read_agrees_with_the_eager_read(kb, vb):
         eager.append_decode(k, v)
 
 
-class NamedReadSite:
-    """An attention site that knows the named reads (a serving graph): the model's append
-    becomes ``append_window``/``append_decode`` and its attention call attends through that
-    read, which un-rotates a deferred read's output."""
-
-    def __init__(self, cache):
-        self.cache, self.read = cache, None
-
-    def update_and_fetch(self, keys, values):
-        name = "append_decode" if keys.shape[2] == 1 else "append_window"
-        self.read = getattr(self.cache, name)(keys, values)
-        return self.read.keys, self.read.values
-
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
-
-
 @pytest.fixture
-def named_read_sites(monkeypatch):
-    for module in (mlx_lm.models.llama, mlx_lm.models.gemma3_text, mlx_lm.models.lfm2):
-        real = module.scaled_dot_product_attention
-
-        def sdpa(q, k, v, cache, scale, mask, sinks=None, real=real):
-            if isinstance(cache, NamedReadSite):
-                return cache.read.attend(q, scale)
-            return real(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-        monkeypatch.setattr(module, "scaled_dot_product_attention", sdpa)
+def named_read_sites():
+    """The seeded architectures' attention calls on a ``NamedReadSite`` attend through its read."""
+    with named_read_attention():
+        yield
 
 
 def turbo_caches(model, kb, vb, deferred, codes=False):
