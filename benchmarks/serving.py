@@ -112,6 +112,8 @@ def run(model, scheme, reqs, wave=4, every=16):
     return {
         "tokens_per_s": generated / wall,
         "decode_tokens_per_s": stats.decode_tps,
+        "prompt_s": stats.prompt_time,  # mlx-lm's partition of the engine's time
+        "decode_s": stats.decode_time,
         "peak_bytes_per_row": peak["per_row"],
         "storage_ratio": peak["storage"],
         "layout_ratio": peak["layout"],
@@ -165,13 +167,16 @@ def main(argv=None):
             "bytes_per_row_vs_mlx_lm": ratio(s, "peak_bytes_per_row"),
             "storage_ratio": summary(s, "storage_ratio"),
             "layout_ratio": summary(s, "layout_ratio"),
+            "prompt_s": summary(s, "prompt_s"),
+            "decode_s": summary(s, "decode_s"),
+            "runs": [{k: v for k, v in x.items() if k != "tokens"} for x in samples[s]],
         }
         for s in schemes
     }
     print(f"\nmlxkv bf16 gives mlx-lm's tokens: {same}")
     print(
         f"{'scheme':22} {'tok/s':>8} {'vs mlx-lm':>16} {'decode tok/s':>13} {'vs mlx-lm':>16} "
-        f"{'MiB/row':>8} {'vs mlx-lm':>9} {'storage':>8} {'layout':>7}"
+        f"{'MiB/row':>8} {'vs mlx-lm':>9} {'storage':>8} {'layout':>7} {'prefill s':>9} {'decode s':>8}"
     )
     for s in schemes:
         t = table[s]
@@ -180,7 +185,8 @@ def main(argv=None):
             f"{s:22} {t['tokens_per_s']['median']:8.1f} {rng(t['throughput_vs_mlx_lm']):>16} "
             f"{t['decode_tokens_per_s']['median']:13.1f} {rng(t['decode_vs_mlx_lm']):>16} "
             f"{t['peak_bytes_per_row']['median'] / 2**20:8.2f} {t['bytes_per_row_vs_mlx_lm']['median']:9.3f} "
-            f"{t['storage_ratio']['median']:8.3f} {t['layout_ratio']['median']:7.3f}"
+            f"{t['storage_ratio']['median']:8.3f} {t['layout_ratio']['median']:7.3f} "
+            f"{t['prompt_s']['median']:9.1f} {t['decode_s']['median']:8.1f}"
         )
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:

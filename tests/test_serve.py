@@ -157,6 +157,37 @@ def test_a_failure_in_the_generation_thread_is_an_http_error_not_a_dead_server(s
     assert status == 200 and data["choices"][0]["text"] == reference(fine, 8)
 
 
+def test_a_compiled_server_decodes_compiled_and_answers_the_same(model_dir, reference):
+    """``--compiled``: the batch decodes through mlxkv's compiled step (traced once per
+    layout, not per step) and every answer is still ``mlx_lm.generate``'s."""
+    args = options.parse(["--model", model_dir, "--scheme", SCHEME, "--port", "0", "--compiled"])
+    srv = start(args)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        decoder = srv.generator.model_provider.model.decoder
+        prompts = distinct_prompts(30, (9, 33, 4, 21))
+        results = [None] * len(prompts)
+
+        def send(i):
+            body = {"prompt": words(prompts[i]), "max_tokens": 10, "temperature": 0.0}
+            results[i] = request(srv.port, "/v1/completions", body)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (status, data), p in zip(results, prompts):
+            assert status == 200, data
+            assert data["choices"][0]["text"] == reference(p, 10)
+        assert decoder.traces >= 1 and decoder.fallback == "eager"
+        assert decoder.traces < 10  # per layout and batch size, not per step (each request decodes 10)
+    finally:
+        srv.shutdown()
+        thread.join(10)
+
+
 def test_options_that_would_replace_the_caches_are_refused(model_dir, capsys):
     for flag, value, why in (
         ("--kv-bits", "4", "--scheme kv4"),

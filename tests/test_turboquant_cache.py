@@ -20,7 +20,7 @@ from mlxkv.math import turboquant as tq
 from mlxkv.seeded import prompt, tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from turboquant import NamedReadSite, named_read_attention  # noqa: E402  (the benchmark's attention site)
+from turboquant import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs  # noqa: E402  (the benchmark's attention site)
 
 
 def kv(L, d=64, H=2, seed=0, dtype=mx.float32):
@@ -246,7 +246,8 @@ def test_codes_read_agrees_with_the_exact_read(kb, vb, d):
 def test_codes_read_inside_mlx_lm_generate(models, named_read_sites, arch):
     """float32 seeded models: the same greedy tokens as the exact read, log-probabilities
     within 1e-3; bfloat16: teacher-forced log-probabilities within 0.25 (the exact read's
-    bfloat16 window is the larger error; docs/turboquant.md)."""
+    bfloat16 window is the larger error; docs/turboquant.md), and the same greedy token at
+    every step but near-ties (the exact read's top two within 0.05)."""
     model = models(arch, dtype=mx.float32)
     p = prompt(24, seed=4)
     for kb, vb in ((8, 3), (4, 2)):
@@ -254,14 +255,11 @@ def test_codes_read_inside_mlx_lm_generate(models, named_read_sites, arch):
         b = logprob_trace(model, turbo_caches(model, kb, vb, False, codes=True), p, 24)
         assert [t for t, _ in a] == [t for t, _ in b]
         assert max(mx.abs(x - y).max().item() for (_, x), (_, y) in zip(a, b)) < 1e-3
-    model = models(arch)
-    caches = {read: turbo_caches(model, 8, 3, False, codes=read) for read in (False, True)}
-    logps = {read: [] for read in caches}
-    for t in prompt(32, seed=7):
-        for read, c in caches.items():
-            out = model(mx.array([[t]]), cache=c)[0, -1].astype(mx.float32)
-            logps[read].append(out - mx.logsumexp(out))
-    assert max(mx.abs(x - y).max().item() for x, y in zip(logps[False], logps[True])) < 0.25
+    model, tokens = models(arch), prompt(64, seed=12)
+    for kb, vb in ((8, 3), (4, 2)):
+        exact, fast = (teacher_forced_logprobs(model, kb, vb, codes, tokens, 32) for codes in (False, True))
+        assert mx.abs(exact - fast).max().item() < 0.25
+        assert all(gap < 0.05 for gap in greedy_flips(exact, fast))  # docs/turboquant.md: a tie or 0.023
 
 
 def test_gemma3_sliding_layers_stay_rotating_bf16_with_one_warning(models):

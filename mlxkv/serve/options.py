@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ...")
     p.add_argument("--max-kv-size", type=int, help="full-attention layers become rings of this many positions")
     p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="decode through mlxkv's compiled step (docs/compiled.md); prompts, and batches without a "
+        "compiled slot (eviction rows, rows before their bf16-first start), run eagerly",
+    )
+    p.add_argument(
         "--max-context",
         type=int,
         help="refuse requests whose prompt plus max_tokens exceed this (default: the model's "

@@ -28,6 +28,7 @@ from http.server import ThreadingHTTPServer
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..caches.compiled import compiled_model
 from ..caches.schemes import make_cache, parse_scheme
 from ..errors import MLXKVError, SchemeError
 from .options import cache_options, mlx_lm_arguments
@@ -73,11 +74,14 @@ def install_scheme(model, scheme: str, **options) -> SchemeCaches:
 class SchemeModelProvider(mlx_server.ModelProvider):
     """mlx-lm's model provider; a loaded model makes mlxkv caches of the scheme."""
 
-    def __init__(self, cli_args, scheme: str, options: dict | None = None, on_load=None):
-        """``on_load(model, tokenizer)``: called after a model loads (a prompt store opens)."""
+    def __init__(self, cli_args, scheme: str, options: dict | None = None, on_load=None, compiled: bool = False):
+        """``on_load(model, tokenizer)``: called after a model loads (a prompt store opens).
+        ``compiled``: the model decodes through ``mlxkv.compiled_model``; a step without a
+        compiled slot runs eagerly with an ``EagerDecodeWarning``."""
         super().__init__(cli_args)
         self.scheme, self.options = scheme, dict(options or {})
         self.on_load = on_load
+        self.compiled = compiled
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         super()._load(model_path, adapter_path, draft_model_path)
@@ -85,6 +89,8 @@ class SchemeModelProvider(mlx_server.ModelProvider):
         self.is_batchable = self.draft_model is None and all(hasattr(c, "merge") for c in make_prompt_cache(self.model))
         if self.on_load is not None:
             self.on_load(self.model, self.tokenizer)
+        if self.compiled:
+            self.model = compiled_model(self.model, fallback="eager")
 
 
 class _Tracked:
@@ -221,7 +227,9 @@ def start(args, prompt_cache=None, wait: float | None = 300.0) -> Server:
     options = cache_options(args)
     SchemeCaches(None, args.scheme, None, **options)  # refuse a bad scheme before loading anything
     cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)
-    provider = SchemeModelProvider(cli_args, args.scheme, options, on_load=getattr(cache, "bind", None))
+    provider = SchemeModelProvider(
+        cli_args, args.scheme, options, on_load=getattr(cache, "bind", None), compiled=args.compiled
+    )
     generator = ServingResponseGenerator(provider, cache, args.max_context)
     if wait is not None and not generator.ready.wait(wait):
         generator.stop_and_join()
