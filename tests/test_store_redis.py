@@ -162,6 +162,20 @@ def test_every_key_expires(models, server, r):
     assert keys and all(0 < r.ttl(k) <= 600 for k in keys)
 
 
+def test_an_upload_found_present_keeps_its_pieces_alive(models, server, r):
+    """Putting an entry Redis holds already gives every key of it, its pieces too, another
+    time to live: pieces expiring under a live manifest would be a miss later."""
+    model = models("llama")
+    tokens = prompt(40, seed=1)
+    _upload(model, server, tokens, redis_ttl=600)
+    for k in r.keys("*"):  # as if most of the time to live had passed
+        r.expire(k, 5)
+    assert len(_upload(model, server, tokens, redis_ttl=600).uploaded) == 1  # present
+    keys = r.keys("*")
+    assert any(b":p:" in k for k in keys) and all(r.ttl(k) > 500 for k in keys)
+    assert _store(model, server).take(tokens + [1]).prefix_len == 40
+
+
 def test_eviction_under_maxmemory_gives_misses_never_wrong_caches(models):
     """A small Redis with allkeys-lru evicts pieces, manifests and block sets as entries pile
     up: a hit is an entry whose keys all survived and gives the logits of a full prefill;

@@ -34,6 +34,8 @@ MANIFEST_VERSION = 1
 HASH_BYTES = 16  # block hashes in key names: the first 16 bytes, hex
 BATCH = 16  # manifests read per round trip of a lookup
 MAX_CANDIDATES = 64  # manifests read per lookup depth at most
+#: what a damaged or foreign manifest raises in ``parse``
+MANIFEST_ERRORS = (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackException)
 
 # delete a key only while it still holds the value read (another process may have replaced it)
 _DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -86,7 +88,7 @@ class RedisTier:
         r = self.client
         mkey = self.manifest_key(seed, entry.key)
         if r.expire(mkey, self.ttl):
-            self._refresh_blocks(seed, chain)
+            self._refresh_present(seed, entry.key, chain)
             return "present"
         lock = r.lock(self.lease_key(seed, entry.key), timeout=self.lease_seconds, blocking=False)
         if not lock.acquire(blocking=False):
@@ -130,10 +132,21 @@ class RedisTier:
             with contextlib.suppress(redis.exceptions.LockError):  # the lease timed out meanwhile
                 lock.release()
 
-    def _refresh_blocks(self, seed, chain):
+    def _refresh_present(self, seed, eid, chain):
+        """An entry found present lives another time to live: its pieces and block sets with
+        its manifest, or the pieces would expire under a live manifest (a miss later)."""
+        keys = [self.block_key(seed, h) for h in chain]
+        raw = self.client.get(self.manifest_key(seed, eid))
+        if raw is not None:
+            with contextlib.suppress(*MANIFEST_ERRORS):  # damaged: the next read drops it
+                m = self.parse(raw)
+                keys += [self.piece_key(seed, eid, m["upload"], i) for i in range(len(m["pieces"]))]
+        self._expire(keys)
+
+    def _expire(self, keys):
         pipe = self.client.pipeline(transaction=False)
-        for h in chain:
-            pipe.expire(self.block_key(seed, h), self.ttl)
+        for k in keys:
+            pipe.expire(k, self.ttl)
         pipe.execute()
 
     # -- reading --------------------------------------------------------------------------
@@ -171,7 +184,7 @@ class RedisTier:
                         continue
                     try:
                         manifest = self.parse(raw)
-                    except (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+                    except MANIFEST_ERRORS:
                         continue
                     p = prefix_for(manifest["headerDoc"]["tokens"], manifest["reuse"], prompt, 0)
                     if p is not None and p > best_p:
@@ -224,11 +237,8 @@ class RedisTier:
             self._delete_if_same(keys=[self.manifest_key(seed, eid)], args=[raw])
             return None
         header = manifest["headerDoc"]
-        pipe = self.client.pipeline(transaction=False)  # read: keep it another time to live
         blocks = [self.block_key(seed, h) for h in block_chain(seed, header["tokens"], self.block)]
-        for k in [self.manifest_key(seed, eid), *keys, *blocks]:
-            pipe.expire(k, self.ttl)
-        pipe.execute()
+        self._expire([self.manifest_key(seed, eid), *keys, *blocks])  # read: another time to live
         joined: dict[str, list[bytes]] = {}
         for p, (name, _, _) in zip(pieces, manifest["pieces"]):
             joined.setdefault(name, []).append(p)
