@@ -12,6 +12,9 @@ mlxkv reaches in at three seams:
   first exception; here the requests in flight get the error and the thread goes on serving.
   Requests longer than the context are refused before they reach a cache.
 
+With ``--compiled`` the loaded model is wrapped by ``mlxkv.compiled_model`` (fallback eager),
+so the engine's decode steps run compiled.
+
 The handler (``ServingHandler``) only maps mlxkv's errors to their HTTP status: mlx-lm
 answers every failed request with 404.
 """
