@@ -248,13 +248,21 @@ def _duplicate_key(raw: bytes, rng: random.Random) -> bytes:
 # (must be refused)
 
 
-def m_bitflip(rng, data, parts):
+def flip_bits(rng, data: bytes, header_end: int) -> bytes:
+    """1-4 bits flipped, each in the header (its first ``header_end`` bytes) half the time."""
     out = bytearray(data)
-    n = 8 + struct.unpack("<Q", data[:8])[0]
     for _ in range(rng.randint(1, 4)):
-        at = rng.randrange(n) if rng.random() < 0.5 else rng.randrange(len(out))
+        at = rng.randrange(header_end) if rng.random() < 0.5 else rng.randrange(len(out))
         out[at] ^= 1 << rng.randrange(8)
-    return bytes(out), "damaged"
+    return bytes(out)
+
+
+def append_junk(rng, data: bytes, sizes) -> bytes:
+    return data + bytes(rng.randrange(256) for _ in range(rng.choice(sizes)))
+
+
+def m_bitflip(rng, data, parts):
+    return flip_bits(rng, data, 8 + struct.unpack("<Q", data[:8])[0]), "damaged"
 
 
 def m_truncate(rng, data, parts):
@@ -262,7 +270,7 @@ def m_truncate(rng, data, parts):
 
 
 def m_append(rng, data, parts):
-    return data + bytes(rng.randrange(256) for _ in range(rng.choice((1, 7, 8, 64)))), "damaged"
+    return append_junk(rng, data, (1, 7, 8, 64)), "damaged"
 
 
 def m_outer_edit(rng, data, parts):

@@ -27,7 +27,19 @@ import random
 import shutil
 import struct
 
-from fuzzing import _edit_json, _get, _nodes, deep, digest, dumps, run_case, seeded_model
+from fuzzing import (
+    _edit_json,
+    _get,
+    _nodes,
+    append_junk,
+    deep,
+    digest,
+    dumps,
+    flip_bits,
+    m_truncate,
+    run_case,
+    seeded_model,
+)
 
 import mlxkv
 from mlxkv.io.mlxbun import MAGIC, PREFIX, PREFIX_LEN, align_up
@@ -115,20 +127,11 @@ def _header_end(data: bytes) -> int:
 
 
 def m_bitflip(rng, data, parts):
-    out = bytearray(data)
-    n = _header_end(data)
-    for _ in range(rng.randint(1, 4)):
-        at = rng.randrange(n) if rng.random() < 0.5 else rng.randrange(len(out))
-        out[at] ^= 1 << rng.randrange(8)
-    return bytes(out), "damaged"
-
-
-def m_truncate(rng, data, parts):
-    return data[: rng.randrange(len(data))], "damaged"
+    return flip_bits(rng, data, _header_end(data)), "damaged"
 
 
 def m_append(rng, data, parts):
-    return data + bytes(rng.randrange(256) for _ in range(rng.choice((1, 7, 16384)))), "damaged"
+    return append_junk(rng, data, (1, 7, 16384)), "damaged"
 
 
 def m_header_edit(rng, data, parts):

@@ -1,8 +1,10 @@
 """Tools for tests that damage or rewrite snapshot files."""
 
 import json
+import os
 import struct
 
+from mlxkv.io import tensor_reader
 from mlxkv.io.safetensors import crc32_hex
 
 
@@ -39,3 +41,15 @@ def data_start(path):
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
     return 8 + n
+
+
+def replace_before_tensors(monkeypatch, other, path):
+    """The next load of ``path`` finds it replaced by ``other`` (``os.replace``) after its
+    header was read, just before its tensors are."""
+    real = tensor_reader.TensorReader.read_all
+
+    def replaced_first(self, *a, **k):
+        os.replace(other, path)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(tensor_reader.TensorReader, "read_all", replaced_first)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import run
 from fuzzing import Parts, deep, join
-from helpers import data_start, read_raw
+from helpers import data_start, read_raw, replace_before_tensors
 from stress import killed_writers
 
 import mlxkv
@@ -304,13 +304,7 @@ def test_a_snapshot_renamed_over_the_path_mid_load_is_not_mixed_in(models, tmp_p
         run(model, caches, prompt(n, seed=n if p == path else 99))
         mlxkv.save(p, caches, prompt(n, seed=n if p == path else 99))
     want = mlxkv.load(path)
-    real = tensor_reader.TensorReader.read_all
-
-    def replaced_first(self, *a, **k):
-        os.replace(other, path)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(tensor_reader.TensorReader, "read_all", replaced_first)
+    replace_before_tensors(monkeypatch, other, path)
     got = mlxkv.load(path)
     assert got.tokens == want.tokens
     for a, b in zip(got.caches, want.caches):

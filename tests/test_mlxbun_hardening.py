@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 from fuzzing import DEFECTS, deep, dumps
 from fuzzing_mlxbun import MUTATIONS, BunCorpus, BunParts, make_case, run_bun_case, slots
+from helpers import replace_before_tensors
 from test_stress import stress
 
 import mlxkv
@@ -274,13 +275,7 @@ def test_a_file_renamed_over_the_path_mid_load_is_not_mixed_in(tmp_path, monkeyp
     """The header was read from one file, then the path is replaced (by another mlx-bun file,
     or by an mlxkv snapshot) before the tensors are read: the load is of the first file."""
     path, other = _two_files(tmp_path, second)
-    real = tensor_reader.TensorReader.read_all
-
-    def replaced_first(self, *a, **k):
-        os.replace(other, path)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(tensor_reader.TensorReader, "read_all", replaced_first)
+    replace_before_tensors(monkeypatch, other, path)
     got = mlxkv.load(path)
     assert got.tokens == [3] * 8 and mx.all(got.caches[0].keys[..., :8, :] == 3).item()
 
