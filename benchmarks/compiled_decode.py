@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 import mlx.core as mx
 
 import mlxkv
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 
 SCHEMES = [
     ("bf16", {}),

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mlxkv
 from mlxkv import KVCache, QFiltersKVCache, TOVAKVCache
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 
 B, H, D = 1, 8, 128
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "eviction.json")

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mlx_lm.generate import BatchGenerator
 
 import mlxkv
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "serving.json")
 MLX_LM = "mlx-lm"

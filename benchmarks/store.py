@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 import mlxkv
-from mlxkv.seeded import build_model, prompt, tokenizer
+from mlxkv.models.seeded import build_model, prompt, tokenizer
 from mlxkv.state.store import StorePromptCache
 
 

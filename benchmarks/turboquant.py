@@ -41,7 +41,7 @@ import mlx.core as mx
 from mlxkv import KVCache, TurboQuantKVCache
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 
 PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]
 STEP_PAIRS = [(8, 3), (4, 2)]

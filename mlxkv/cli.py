@@ -209,7 +209,7 @@ def _demo_run(arch, model, scheme, workdir, prompt_len, before, after, sampler, 
     import mlx.core as mx
     import numpy as np
 
-    from .seeded import prompt
+    from .models.seeded import prompt
     from .state.session import Session
 
     session = Session.start(
@@ -236,7 +236,7 @@ def _demo_run(arch, model, scheme, workdir, prompt_len, before, after, sampler, 
 def cmd_demo(args) -> int:
     import numpy as np
 
-    from .seeded import ARCHITECTURES, SCHEMES, build_model
+    from .models.seeded import ARCHITECTURES, SCHEMES, build_model
     from .state.sampler import Sampler
 
     warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
@@ -365,7 +365,7 @@ def cmd_resume(args) -> int:
     """Internal: restore every checkpoint of a demo manifest, continue, write logits."""
     import numpy as np
 
-    from .seeded import build_model
+    from .models.seeded import build_model
     from .state.session import Session
 
     warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")

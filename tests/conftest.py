@@ -3,7 +3,7 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from mlxkv.seeded import build_model
+from mlxkv.models.seeded import build_model
 
 
 @pytest.fixture(scope="session")

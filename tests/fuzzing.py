@@ -441,7 +441,7 @@ class Corpus:
 
 @functools.cache
 def seeded_model(arch: str, seed: int):
-    from mlxkv.seeded import build_model
+    from mlxkv.models.seeded import build_model
 
     return build_model(arch, seed=seed)
 

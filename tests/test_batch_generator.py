@@ -12,7 +12,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import LRUPromptCache
 
 import mlxkv
-from mlxkv.seeded import ARCHITECTURES, SCHEMES, build_model, prompt, tokenizer
+from mlxkv.models.seeded import ARCHITECTURES, SCHEMES, build_model, prompt, tokenizer
 
 #: affine bf16-first rows share a batch with rows of the other precision: a converted row then
 #: attends its dequantized codes through the dense kernel (docs/serving.md); on the bf16 seeded

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

@@ -10,7 +10,7 @@ import pytest
 import mlxkv
 from mlxkv.caches.schemes import make_cache
 from mlxkv.families import families, family_of_batched_kind, family_of_kind
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 
 # (arch, scheme, make_cache options, serial kinds of the rows once settled)
 CASES = {

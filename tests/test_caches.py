@@ -10,7 +10,7 @@ from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 
 
 def test_kinds_are_the_mlx_bun_signatures():

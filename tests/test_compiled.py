@@ -11,7 +11,7 @@ import mlxkv
 from mlxkv.caches.compiled import CompiledDecoder, compiled_model
 from mlxkv.caches.decode_slot import Phase
 from mlxkv.caches.slots import decode_phase, decode_slot
-from mlxkv.seeded import SCHEMES, prompt, tokenizer
+from mlxkv.models.seeded import SCHEMES, prompt, tokenizer
 
 STEPS = 64
 OPTIONS = {"qfilters-b32-s4-r8": {"calib_tokens": 24}}  # calibrates, then evicts, within the run

@@ -15,7 +15,7 @@ from mlx_lm.generate import BatchGenerator
 import mlxkv
 from mlxkv.caches.compiled import CompiledDecoder, compiled_model
 from mlxkv.caches.slots import decode_phase
-from mlxkv.seeded import ARCHITECTURES, prompt
+from mlxkv.models.seeded import ARCHITECTURES, prompt
 
 SCHEMES = ["bf16", "kv4", "kv8-g32", "turbo-k8v3"]
 LENS, MAX_TOKENS, JOIN_AT = (5, 23, 40, 12), (30, 3, 40, 20), 2  # rows finish early, row 3 joins

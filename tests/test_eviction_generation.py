@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 
 import mlxkv
 from mlxkv.caches.qfilters_calibration import calibrate
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 
 
 def generate(model, caches, toks, n, prefill_step_size=2048):
@@ -82,7 +82,7 @@ def test_512_prefill_plus_200_decode_at_budget_64_has_zero_position_drift(scheme
 def test_mlx_lm_generate_and_stream_generate_run_with_eviction_caches(scheme):
     import mlx_lm
 
-    from mlxkv.seeded import tokenizer
+    from mlxkv.models.seeded import tokenizer
 
     model, tok = build_model("gemma3"), tokenizer()
     caches = mlxkv.make_cache(model, scheme, calib_tokens=16)

@@ -23,7 +23,7 @@ import mlxkv
 from mlxkv import errors
 from mlxkv.caches.transition import Bf16FirstCache
 from mlxkv.families import family_of_kind, known_persisted_kinds
-from mlxkv.seeded import build_model
+from mlxkv.models.seeded import build_model
 from mlxkv.state.generation_key import generation_key
 from mlxkv.state.session import Session
 

@@ -19,7 +19,7 @@ import mlxkv
 from mlxkv.errors import CorruptSnapshotError, IdentityMismatchError, SnapshotError
 from mlxkv.io import temporaries, tensor_reader
 from mlxkv.io.safetensors import array_buffer
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,7 @@ from mlxkv.caches.scheme import Scheme
 from mlxkv.codecs.base import Codec, expect_slots, same_prefix
 from mlxkv.errors import CorruptSnapshotError
 from mlxkv.families import COUNT, family_of_kind, family_of_persisted
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 
 # -- the toy family: keys and values stored as float16, attended in the input dtype ---------
 

@@ -11,13 +11,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlxkv"
 # lowest first; a module belongs to the first entry its dotted name starts with
 LAYERS = [
     ("foundation", ("mlxkv.errors", "mlxkv.checks", "mlxkv.families")),
+    ("models", ("mlxkv.models",)),
     ("math", ("mlxkv.math",)),
     ("live caches", ("mlxkv.caches",)),
     ("batched layouts", ("mlxkv.batched",)),
     ("codecs", ("mlxkv.codecs",)),
     ("file I/O", ("mlxkv.io",)),
     ("state", ("mlxkv.state",)),
-    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.seeded", "mlxkv")),
+    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.models.seeded", "mlxkv")),
 ]
 
 

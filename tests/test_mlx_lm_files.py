@@ -11,7 +11,7 @@ from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv.errors import CorruptSnapshotError, SnapshotError, UnknownKindError
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 from mlxkv.state.prompt_cache import (
     MissingTokensError,
     OldPromptCacheLayoutError,

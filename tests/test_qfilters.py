@@ -9,7 +9,7 @@ import mlxkv
 from mlxkv import CacheConfigError, QFiltersKVCache, make_cache
 from mlxkv.caches.schemes import parse_scheme
 from mlxkv.math.qfilters import key_svd_filter, projection_scores, qfilters_survivors
-from mlxkv.seeded import build_model
+from mlxkv.models.seeded import build_model
 
 
 def rand(shape, seed, dtype=mx.bfloat16):
@@ -387,7 +387,7 @@ def test_scheme_passes_calibration_sign_and_calib_tokens_per_layer():
 
 
 def test_make_cache_refuses_filters_of_another_head_layout_at_construction():
-    from mlxkv.seeded import build_model
+    from mlxkv.models.seeded import build_model
 
     model = build_model("llama")  # 2 kv heads of 64 dims
     wrong = [mx.ones((4, 64)) for _ in range(4)]

@@ -18,7 +18,7 @@ from mlxkv.caches.qfilters_calibration import (
 from mlxkv.errors import CorruptSnapshotError, FormatVersionError, GeometryMismatchError, IdentityMismatchError
 from mlxkv.io.safetensors import write_atomic
 from mlxkv.math.qfilters import key_svd_filter
-from mlxkv.seeded import build_model, prompt
+from mlxkv.models.seeded import build_model, prompt
 from mlxkv.state.qfilters_artifact import load_qfilters, save_qfilters
 
 

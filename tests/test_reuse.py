@@ -6,7 +6,7 @@ from conftest import run
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 from mlxkv.state.reuse import reuse_prefix, usable_prefix
 
 

@@ -17,7 +17,7 @@ from serve_helpers import serve_process, words
 import mlxkv
 from mlxkv.batched.attention import BatchedKVCache
 from mlxkv.cli import main as mlxkv_main
-from mlxkv.seeded import prompt, save_model_dir
+from mlxkv.models.seeded import prompt, save_model_dir
 from mlxkv.serve import options
 from mlxkv.serve.server import start
 

@@ -17,7 +17,7 @@ from serve_helpers import serve_process, words
 from store_helpers import RedisServer
 
 import mlxkv
-from mlxkv.seeded import prompt, save_model_dir
+from mlxkv.models.seeded import prompt, save_model_dir
 from mlxkv.serve import options
 from mlxkv.serve.server import start
 

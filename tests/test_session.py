@@ -23,7 +23,7 @@ from mlxkv.errors import (
     SchemeError,
     SnapshotError,
 )
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 from mlxkv.state.generation_key import generation_key
 from mlxkv.state.sampler import Sampler
 from mlxkv.state.session import Session, request_key, request_policy
@@ -169,7 +169,7 @@ RESUME_CHILD = r"""
 import json, sys, warnings
 import numpy as np, mlx.core as mx
 warnings.simplefilter("ignore")
-from mlxkv.seeded import build_model
+from mlxkv.models.seeded import build_model
 from mlxkv.state.session import Session
 jobs = json.load(open(sys.argv[1]))
 models, out = {}, {}

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 from mlxkv.state.snapshot import FORMAT_VERSION
 
 SLOTS = {
@@ -331,7 +331,7 @@ def test_slots_of_the_wrong_rank_are_refused(saved):
 
 
 def test_identity_is_derived_from_config_and_weights(models):
-    from mlxkv.seeded import build_model
+    from mlxkv.models.seeded import build_model
     from mlxkv.state.identity import canonical_config, model_fingerprint, model_identity
 
     llama = models("llama")

@@ -11,7 +11,7 @@ from store_helpers import KIND_CASES, accepted, build, continuation, forward, sa
 
 import mlxkv
 from mlxkv import PromptStore, StoreCapacityError
-from mlxkv.seeded import build_model, prompt, tokenizer
+from mlxkv.models.seeded import build_model, prompt, tokenizer
 
 CASES = [c for c in KIND_CASES if accepted(c[2])]
 CAP = 64 << 20

@@ -15,7 +15,7 @@ from helpers import data_start, flip_bit, rewrite_header
 from store_helpers import build, continuation, forward
 
 from mlxkv import PromptStore, Sampler, Session, request_key
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 from mlxkv.state.snapshot import FORMAT_VERSION
 
 CAP = 64 << 20

@@ -10,7 +10,7 @@ from store_helpers import build
 
 import mlxkv
 from mlxkv import PromptStore
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 from mlxkv.state.store import StorePromptCache, generate, stream_generate
 
 CAP = 64 << 20

@@ -14,7 +14,7 @@ import pytest
 from store_helpers import RedisServer, build, continuation, forward
 
 from mlxkv import PromptStore
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 from mlxkv.state.store import stream_generate
 from mlxkv.state.store.keys import block_chain, entry_id, identity_seed
 
@@ -52,7 +52,7 @@ def _upload(model, server, tokens, **kw):
 CHILD = r"""
 import sys
 from mlxkv import PromptStore, make_cache
-from mlxkv.seeded import build_model, prompt, tokenizer
+from mlxkv.models.seeded import build_model, prompt, tokenizer
 import mlx.core as mx
 model = build_model("llama")
 tokens = prompt(64, seed=21) + prompt(30, seed=22)

@@ -14,7 +14,7 @@ import mlxkv
 from mlxkv import CacheConfigError, TOVAKVCache, make_cache
 from mlxkv.caches.schemes import parse_scheme
 from mlxkv.math.tova import tova_evict
-from mlxkv.seeded import build_model
+from mlxkv.models.seeded import build_model
 
 
 def reference_tova(keys: np.ndarray, budget: int, n_sink: int, blocks=None):

@@ -17,7 +17,7 @@ from mlxkv.caches.base import row_bytes
 from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
-from mlxkv.seeded import prompt, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from turboquant import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs  # noqa: E402  (the benchmark's attention site)

@@ -13,7 +13,7 @@ from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
 from mlxkv.io.tensor_reader import TensorReader
 from mlxkv.math import turboquant as tq
-from mlxkv.seeded import prompt
+from mlxkv.models.seeded import prompt
 from mlxkv.state.kinds import check_entry
 
 SLOTS = ["kIdx", "kScales", "kZeros", "vPacked", "vScales"]

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, ROOT)
 
-from mlxkv.seeded import build_model, prompt  # noqa: E402
+from mlxkv.models.seeded import build_model, prompt  # noqa: E402
 from mlxkv.state.session import Sampler, Session  # noqa: E402
 
 STEPS = 8
