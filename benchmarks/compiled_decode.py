@@ -16,24 +16,19 @@ Models: the seeded llama, gemma3 and hybrid (4 layers, 128 hidden: per-step over
 dominates), and a synthetic llama of 8 layers, 1024 hidden, 8 heads of 128 (weights
 dominate). The machine's load is not controlled: read the ranges.
 
-Usage: python benchmarks/compiled_decode.py [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
+Usage: python -m benchmarks.compiled_decode [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
        --batch-sizes 1,4,8 --only-batched]
 """
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 import warnings
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import mlx.core as mx
 
 import mlxkv
+from benchmarks.common import ratios, timed, write_result
 from mlxkv.models.seeded import build_model, prompt
 
 SCHEMES = [
@@ -72,11 +67,14 @@ def prefilled(model, scheme, options, tokens):
 
 def decode(step, caches, y, n):
     """``n`` greedy steps, each evaluated; returns (seconds, next token)."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        y = mx.argmax(step(y, caches)[:, -1], axis=-1)[:, None]
-        mx.eval(y)
-    return time.perf_counter() - t0, y
+
+    def steps(y):
+        for _ in range(n):
+            y = mx.argmax(step(y, caches)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+        return y
+
+    return timed(steps, y)
 
 
 _ROWS: dict = {}  # (model id, scheme, prompt) -> prefilled rows, reused across batch sizes and modes
@@ -110,13 +108,13 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None):
         te.append(steps * (B or 1) / t)
         t, yc = decode(decoder, comp_caches, yc, steps)
         tc.append(steps * (B or 1) / t)
-    ratios = [c / e for c, e in zip(tc, te)]
+    ratio = ratios(tc, te)
     return {
         "scheme": label(scheme, options),
         "eager_tok_s": statistics.median(te),
         "compiled_tok_s": statistics.median(tc),
-        "ratio": statistics.median(ratios),
-        "ratio_range": [min(ratios), max(ratios)],
+        "ratio": ratio["median"],
+        "ratio_range": [ratio["min"], ratio["max"]],
         "warmup_s": {"eager": warm_eager, "compiled": warm_comp},
         "traces": decoder.traces,
         "eager_steps": decoder.eager_steps,
@@ -152,7 +150,7 @@ def main(argv=None):
     ap.add_argument("--large-prompt", type=int, default=480)
     ap.add_argument("--batch-sizes", default="1,4,8", help="batched rows: batch sizes ('' for none)")
     ap.add_argument("--only-batched", action="store_true", help="skip the serial rows")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compiled_decode.json"))
+    ap.add_argument("--out", help="default: benchmarks/results/compiled_decode.json")
     a = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -160,7 +158,6 @@ def main(argv=None):
     large = build_model("llama", **LARGE)
     models.append(("large", large, a.large_prompt, [s for s in SCHEMES if s[0] in ("bf16", "kv4", "turbo-k8v3")]))
     res = {
-        "machine": {"device": str(mx.default_device()), "mlx": mx.__version__, "cpus": os.cpu_count()},
         "large_config": LARGE,
         "rounds": a.rounds,
         "steps_per_round": a.steps,
@@ -171,10 +168,8 @@ def main(argv=None):
     for B in [int(b) for b in a.batch_sizes.split(",") if b]:
         res["batched_rows"] += run(batched, a.rounds, a.steps, B)
     res["seconds"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"\n{res['seconds']:.0f} s; written {a.out} (the machine's load is not controlled: see the ranges)")
+    out = write_result("compiled_decode", res, a.out)
+    print(f"\n{res['seconds']:.0f} s; written {out} (the machine's load is not controlled: see the ranges)")
 
 
 if __name__ == "__main__":

@@ -8,43 +8,25 @@
 - Per-step decode cost against a plain cache: cache-level (append one token + attention of
   one query) and model-level (the seeded llama's full decode step).
 
-Run: ``python benchmarks/eviction.py`` (writes benchmarks/results/eviction.json).
+Run: ``python -m benchmarks.eviction`` (writes benchmarks/results/eviction.json).
 """
 
-import json
 import math
 import os
-import platform
-import statistics
-import sys
 import time
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import mlxkv
+from benchmarks.common import median_seconds, write_result
 from mlxkv import KVCache, QFiltersKVCache, TOVAKVCache
 from mlxkv.models.seeded import build_model, prompt
 
 B, H, D = 1, 8, 128
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "eviction.json")
 
 
 def rand(shape, seed):
     return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.bfloat16)
-
-
-def timed(fn, repeat=3, warmup=1):
-    """Median wall seconds of ``fn()`` (fn evaluates its own result)."""
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
 
 
 # -- the reference: per token, per head, one row at a time --------------------------------
@@ -92,8 +74,8 @@ def tova_prefill(T=2048, budget=64, n_sink=4):
     ref_state = reference_tova(k, v, budget, n_sink)
     c = vectorized()
     assert all(c.positions[0, h].tolist() == ref_state[h][2].tolist() for h in range(H)), "TOVA kept sets differ"
-    t_vec = timed(vectorized, repeat=3)
-    t_ref = timed(lambda: reference_tova(k, v, budget, n_sink), repeat=1, warmup=0)
+    t_vec = median_seconds(vectorized, 3)
+    t_ref = median_seconds(lambda: reference_tova(k, v, budget, n_sink), 1, warmup=0)
     return {
         "tokens": T,
         "budget": budget,
@@ -131,9 +113,9 @@ def tova_decode(budget=512, n_sink=4, steps=20):
         rk, rv = plain.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         mx.eval(rk, rv)
 
-    t_vec = timed(vec_step, repeat=steps, warmup=2)
-    t_ref = timed(ref_step, repeat=steps // 2, warmup=1)
-    t_plain = timed(plain_step, repeat=steps, warmup=2)
+    t_vec = median_seconds(vec_step, steps, warmup=2)
+    t_ref = median_seconds(ref_step, steps // 2)
+    t_plain = median_seconds(plain_step, steps, warmup=2)
     return {
         "budget": budget,
         "shape": [B, H, budget, D],
@@ -167,7 +149,7 @@ def qfilters_prefill(T=4096, budget=512, n_sink=4):
             {
                 "chunk": chunk,
                 "eviction_calls": math.ceil(max(0, T - budget) / chunk) if chunk < T else 1,
-                "seconds": timed(lambda chunk=chunk: run(chunk), repeat=3),
+                "seconds": median_seconds(lambda chunk=chunk: run(chunk), 3),
                 "identical_to_one_shot": same,
             }
         )
@@ -200,7 +182,7 @@ def cache_decode_vs_plain(budget=512, context=2048, steps=30):
             o = mx.fast.scaled_dot_product_attention(q, rk, rv, scale=D**-0.5, mask=None)
             mx.eval(o, c.dense_window())
 
-        out[name] = timed(step, repeat=steps, warmup=3)
+        out[name] = median_seconds(step, steps, warmup=3)
     base = out[f"plain@{budget}"]
     return {
         "budget": budget,
@@ -223,7 +205,7 @@ def model_decode_vs_plain(context=1024, budget=512, steps=20):
             i = pos[0] = pos[0] + 1
             mx.eval(model(mx.array([[toks[i % len(toks)]]]), cache=caches))
 
-        out[scheme] = timed(step, repeat=steps, warmup=3)
+        out[scheme] = median_seconds(step, steps, warmup=3)
     return {
         "model": "seeded/llama@0 (4 layers, 2 kv heads, head_dim 64, bf16)",
         "context": context,
@@ -235,12 +217,6 @@ def model_decode_vs_plain(context=1024, budget=512, steps=20):
 def main():
     t0 = time.time()
     results = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "mlx": mx.__version__,
-            "device": str(mx.default_device()),
-        },
         "tova_prefill": tova_prefill(),
         "tova_decode": tova_decode(),
         "qfilters_prefill": qfilters_prefill(),
@@ -248,13 +224,11 @@ def main():
         "model_decode_vs_plain": model_decode_vs_plain(),
     }
     results["wall_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(results, f, indent=2)
+    out = write_result("eviction", results)
 
     ms = lambda s: f"{s * 1e3:9.2f} ms"
     tp, td = results["tova_prefill"], results["tova_decode"]
-    print(f"eviction benchmarks on {results['machine']['device']} (mlx {mx.__version__}), B={B} H={H} D={D}")
+    print(f"eviction benchmarks on {mx.default_device()} (mlx {mx.__version__}), B={B} H={H} D={D}")
     print(
         f"TOVA prefill {tp['tokens']} tok @ budget {tp['budget']}: vectorized {ms(tp['vectorized_s'])} | "
         f"reference loop {ms(tp['reference_s'])} | x{tp['speedup']:.1f}"
@@ -280,7 +254,7 @@ def main():
     print(f"Model decode step ({m['model']}, context {m['context']}):")
     for n, s in m["step_s"].items():
         print(f"  {n:>22}: {ms(s)}  x{m['vs_plain'][n]:.2f} of bf16")
-    print(f"wall {results['wall_s']:.0f} s -> {os.path.relpath(RESULTS)}")
+    print(f"wall {results['wall_s']:.0f} s -> {os.path.relpath(out)}")
 
 
 if __name__ == "__main__":

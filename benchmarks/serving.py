@@ -18,27 +18,20 @@ different times. Per scheme:
 Repeats are interleaved (the scheme order rotates each repeat); medians and min-max are
 reported. The machine may be shared: ratios are what to read, taken within one repeat.
 
-Run: ``python benchmarks/serving.py [--repeats 3] [--schemes bf16,kv4,turbo-k8v3,bf16+compiled]``
+Run: ``python -m benchmarks.serving [--repeats 3] [--schemes bf16,kv4,turbo-k8v3,bf16+compiled]``
 (writes benchmarks/results/serving.json).
 """
 
 import argparse
-import json
 import math
-import os
-import platform
-import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mlx_lm.generate import BatchGenerator
 
 import mlxkv
+from benchmarks.common import ratios, summary, write_result
 from mlxkv.models.seeded import build_model, prompt
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "serving.json")
 MLX_LM = "mlx-lm"
 COMPILED = "+compiled"  # a scheme with this suffix runs the engine on mlxkv.compiled_model
 #: the seeded llama (4 layers, 2 kv heads of 64: 512 bytes of bf16 keys and values per token
@@ -154,27 +147,25 @@ def main(argv=None):
     # bf16 rows, eager or compiled, must give mlx-lm's tokens
     same = {s: samples[s][0]["tokens"] == reference for s in schemes if s.removesuffix(COMPILED) == "bf16"}
 
-    def summary(s, key):
-        vals = [x[key] for x in samples[s]]
-        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    def of(s, key):
+        return summary(x[key] for x in samples[s])
 
     def ratio(s, key):
         """Per repeat: scheme / mlx-lm in the same repeat; median and range."""
-        vals = [x[key] / y[key] for x, y in zip(samples[s], samples[MLX_LM])]
-        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        return ratios([x[key] for x in samples[s]], [y[key] for y in samples[MLX_LM]])
 
     table = {
         s: {
-            "tokens_per_s": summary(s, "tokens_per_s"),
-            "decode_tokens_per_s": summary(s, "decode_tokens_per_s"),
+            "tokens_per_s": of(s, "tokens_per_s"),
+            "decode_tokens_per_s": of(s, "decode_tokens_per_s"),
             "throughput_vs_mlx_lm": ratio(s, "tokens_per_s"),
             "decode_vs_mlx_lm": ratio(s, "decode_tokens_per_s"),
-            "peak_bytes_per_row": summary(s, "peak_bytes_per_row"),
+            "peak_bytes_per_row": of(s, "peak_bytes_per_row"),
             "bytes_per_row_vs_mlx_lm": ratio(s, "peak_bytes_per_row"),
-            "storage_ratio": summary(s, "storage_ratio"),
-            "layout_ratio": summary(s, "layout_ratio"),
-            "prompt_s": summary(s, "prompt_s"),
-            "decode_s": summary(s, "decode_s"),
+            "storage_ratio": of(s, "storage_ratio"),
+            "layout_ratio": of(s, "layout_ratio"),
+            "prompt_s": of(s, "prompt_s"),
+            "decode_s": of(s, "decode_s"),
             "runs": [{k: v for k, v in x.items() if k != "tokens"} for x in samples[s]],
         }
         for s in schemes
@@ -194,20 +185,16 @@ def main(argv=None):
             f"{t['storage_ratio']['median']:8.3f} {t['layout_ratio']['median']:7.3f} "
             f"{t['prompt_s']['median']:9.1f} {t['decode_s']['median']:8.1f}"
         )
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(
-            {
-                "machine": platform.platform(),
-                "model": {"arch": "llama", **shape},
-                "requests": [(len(p), n) for p, n in reqs],
-                "repeats": args.repeats,
-                "tokens_equal_mlx_lm": same,
-                "results": table,
-            },
-            f,
-            indent=1,
-        )
+    write_result(
+        "serving",
+        {
+            "model": {"arch": "llama", **shape},
+            "requests": [(len(p), n) for p, n in reqs],
+            "repeats": args.repeats,
+            "tokens_equal_mlx_lm": same,
+            "results": table,
+        },
+    )
 
 
 if __name__ == "__main__":

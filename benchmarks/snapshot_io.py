@@ -18,7 +18,7 @@ of both kinds with ``update_and_fetch`` (their own memory, mlx-lm's and mlxkv's 
 growth), unlinks both files before saving, and evaluates every restored array; it reports
 the ratio of each repeat (median, quartiles, range), not only the ratio of medians.
 
-Usage: python benchmarks/snapshot_io.py [--layers 16 --tokens 4096 --repeats 5 --dir DIR] [--independent]
+Usage: python -m benchmarks.snapshot_io [--layers 16 --tokens 4096 --repeats 5 --dir DIR] [--independent]
 """
 
 import argparse
@@ -30,14 +30,12 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
+from benchmarks.common import RESULTS, machine
 from mlxkv.io.safetensors import read_safetensors_header
 from mlxkv.io.tensor_reader import TensorReader
 
@@ -270,7 +268,7 @@ def independent(args):
         },
         "per_repeat_ratio": {w: quartiles(v) for w, v in per_repeat.items()},
         "all_seconds": times,
-        "machine": {"cpus": os.cpu_count(), "mlx": mx.__version__},
+        "machine": machine(),
     }
     with open(args.out.replace(".json", "_independent.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -295,7 +293,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--pause", type=float, default=0.0, help="rest before each measurement, seconds")
     p.add_argument("--dir", default=None, help="where to write the files (default: a temp dir next to the results)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "snapshot_io.json"))
+    p.add_argument("--out", default=str(RESULTS / "snapshot_io.json"))
     p.add_argument("--independent", action="store_true", help="fresh caches, unlinked files, per-repeat ratios")
     args = p.parse_args(argv)
     global PAUSE
@@ -425,7 +423,7 @@ def main(argv=None):
         "ratios": ratios,
         "targets_met": targets,
         "roundtrip_identical": same,
-        "machine": {"cpus": os.cpu_count(), "mlx": mx.__version__},
+        "machine": machine(),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

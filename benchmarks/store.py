@@ -14,28 +14,23 @@
 
 Timings are medians over interleaved repeats with their min-max spread.
 
-Usage: python benchmarks/store.py [--sizes 512,2048,8192] [--repeats 3] [--convs 40
+Usage: python -m benchmarks.store [--sizes 512,2048,8192] [--repeats 3] [--convs 40
        --turns 5 --systems 4 --cap-mib 8] [--entry-mib 32] [--skip-redis] [--json FILE]
 """
 
 import argparse
-import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 import mlxkv
+from benchmarks.common import summary, timed, write_result
 from mlxkv.models.seeded import build_model, prompt, tokenizer
 from mlxkv.state.store import StorePromptCache
 
@@ -81,16 +76,6 @@ def drop_page_cache(store):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def summary(samples):
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
-
-
-def timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t, out
 
 
 # -- 1. restore vs re-prefill -------------------------------------------------------------
@@ -334,7 +319,7 @@ def main():
     model = build_model("llama")
     redis = None if args.skip_redis else Redis()
     work = tempfile.mkdtemp(prefix="mlxkv-bench-store-")
-    results = {"machine": "shared 2-core VM (other jobs running): medians and min-max spread"}
+    results = {}
     try:
         if "restore" in parts:
             print("1. restore an N-token prefix vs re-prefill (seeded llama, bf16)")
@@ -350,9 +335,7 @@ def main():
         if redis is not None:
             redis.stop()
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    print(f"wrote {write_result('store', results, args.json)}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Measured in one run, side by side:
   1. encode and decode throughput of the codec for every (kBits, vBits) on [1, H, T, D]
      bf16 keys and values (tokens/s; MB/s counts the bf16 K+V bytes encoded or decoded;
-     best of the repeats);
+     median and range of the repeats);
   2. one decode step of one attention layer (append one position + attention over the
      window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read
      (the exact path: decode the window, then SDPA), the deferred read and the read from the
@@ -21,27 +21,22 @@ Measured in one run, side by side:
      decode steps through a named-read attention site): the largest difference, and whether
      the greedy tokens agree.
 
-Usage: python benchmarks/turboquant.py [--heads 8 --q-heads 32 --dim 128 --contexts 1024 4096 16384
+Usage: python -m benchmarks.turboquant [--heads 8 --q-heads 32 --dim 128 --contexts 1024 4096 16384
                                         --repeats 9 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
 """
 
 import argparse
-import contextlib
-import json
-import os
 import statistics
-import sys
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import mlx.core as mx
 
+from benchmarks.common import median_seconds, write_result
 from mlxkv import KVCache, TurboQuantKVCache
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
 from mlxkv.models.seeded import build_model, prompt
+from mlxkv.quality import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs
 
 PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]
 STEP_PAIRS = [(8, 3), (4, 2)]
@@ -50,18 +45,6 @@ SECTIONS = ("codec", "decode_step", "bytes_per_token", "kl", "codes")
 
 def normal(shape, seed, dtype=mx.bfloat16):
     return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
-
-
-def best_time(fn, repeats):
-    """Fastest of ``repeats`` runs after a warm-up: throughput with the least interference
-    from other processes on a shared machine."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 # -- 1. codec throughput --------------------------------------------------------------------
@@ -75,8 +58,8 @@ def codec_throughput(heads, dim, tokens, repeats):
     for kb, vb in PAIRS:
         stored = tq.encode(k, v, kb, vb)
         mx.eval(stored)
-        enc = best_time(lambda kb=kb, vb=vb: mx.eval(tq.encode(k, v, kb, vb)), repeats)
-        dec = best_time(lambda s=stored, kb=kb, vb=vb: mx.eval(tq.decode(s, kb, vb)), repeats)
+        enc = median_seconds(lambda kb=kb, vb=vb: mx.eval(tq.encode(k, v, kb, vb)), repeats)
+        dec = median_seconds(lambda s=stored, kb=kb, vb=vb: mx.eval(tq.decode(s, kb, vb)), repeats)
         rows.append(
             {
                 "kBits": kb,
@@ -213,49 +196,8 @@ def kl_rows(prefill, steps):
 # -- 5. the codes read against the exact read on the seeded models -----------------------
 
 
-class NamedReadSite:
-    """A cache behind the named reads: the model's append becomes ``append_decode`` /
-    ``append_window`` and its attention call (patched below) attends through that read."""
-
-    def __init__(self, cache):
-        self.cache, self.read = cache, None
-
-    def update_and_fetch(self, keys, values):
-        name = "append_decode" if keys.shape[2] == 1 else "append_window"
-        self.read = getattr(self.cache, name)(keys, values)
-        return self.read.keys, self.read.values
-
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
-
-
-@contextlib.contextmanager
-def named_read_attention():
-    """Route the seeded architectures' attention calls on a ``NamedReadSite`` to its read."""
-    import mlx_lm.models.gemma3_text
-    import mlx_lm.models.lfm2
-    import mlx_lm.models.llama
-
-    modules = (mlx_lm.models.llama, mlx_lm.models.gemma3_text, mlx_lm.models.lfm2)
-    saved = [m.scaled_dot_product_attention for m in modules]
-    for m, real in zip(modules, saved):
-
-        def sdpa(q, k, v, cache, scale, mask, sinks=None, real=real):
-            if isinstance(cache, NamedReadSite):
-                return cache.read.attend(q, scale)
-            return real(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-        m.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        for m, real in zip(modules, saved):
-            m.scaled_dot_product_attention = real
-
-
-def teacher_forced_logprobs(model, kb, vb, codes, tokens, prefill):
-    """Log-probabilities [steps, vocab] of teacher-forced decode steps after a ``prefill``,
-    TurboQuant from token zero on the full-attention layers behind a named-read site: the
+def site_caches(model, kb, vb, codes):
+    """TurboQuant from token zero on the full-attention layers, behind named-read sites: the
     exact read (``codes=False``) or the codes read."""
     caches = []
     for c in make_cache(model, "bf16"):
@@ -264,19 +206,7 @@ def teacher_forced_logprobs(model, kb, vb, codes, tokens, prefill):
             t.masks = c.masks
             c = NamedReadSite(t)
         caches.append(c)
-    model(mx.array(tokens[:prefill])[None], cache=caches)
-    out = []
-    for t in tokens[prefill:]:
-        logits = model(mx.array([[t]]), cache=caches)[0, -1].astype(mx.float32)
-        out.append(logits - mx.logsumexp(logits))
-    return mx.stack(out)
-
-
-def greedy_flips(exact, fast) -> list[float]:
-    """The exact read's top-two gap at every step where the two reads' greedy tokens differ."""
-    flips = (mx.argmax(exact, -1) != mx.argmax(fast, -1)).tolist()
-    top2 = mx.sort(exact, axis=-1)[:, -2:]
-    return [g for g, f in zip((top2[:, 1] - top2[:, 0]).tolist(), flips) if f]
+    return caches
 
 
 def codes_rows(prefill, steps):
@@ -291,7 +221,10 @@ def codes_rows(prefill, steps):
             for arch in ("llama", "gemma3", "hybrid"):
                 model = build_model(arch, dtype=getattr(mx, dtype))
                 for kb, vb in STEP_PAIRS:
-                    exact, fast = (teacher_forced_logprobs(model, kb, vb, c, tokens, prefill) for c in (False, True))
+                    exact, fast = (
+                        teacher_forced_logprobs(model, site_caches(model, kb, vb, c), tokens, prefill)
+                        for c in (False, True)
+                    )
                     gaps = greedy_flips(exact, fast)
                     rows.append(
                         {
@@ -405,7 +338,7 @@ def main(argv=None):
     ap.add_argument("--kl-steps", type=int, default=32)
     ap.add_argument("--codes-steps", type=int, default=32)
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="sections to run")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "turboquant.json"))
+    ap.add_argument("--out", help="default: benchmarks/results/turboquant.json")
     a = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -416,14 +349,11 @@ def main(argv=None):
         "kl": lambda: kl_rows(a.kl_prefill, a.kl_steps),
         "codes": lambda: codes_rows(a.kl_prefill, a.codes_steps),
     }
-    res = {"machine": {"device": str(mx.default_device()), "mlx": mx.__version__, "cpus": os.cpu_count()}}
-    res.update({name: run[name]() for name in SECTIONS if name in a.only})
+    res = {name: run[name]() for name in SECTIONS if name in a.only}
     res["seconds"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    out = write_result("turboquant", res, a.out)
     print_tables(res)
-    print(f"\n{res['seconds']:.0f} s; written {a.out} (the machine's load is not controlled: see the ranges)")
+    print(f"\n{res['seconds']:.0f} s; written {out} (the machine's load is not controlled: see the ranges)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ a seeded model, ``Session.restore`` on that model) and classifies the outcome:
 - defects: ``foreign-exception`` (any other exception), ``silent-damage`` (a damaged file
   loaded different data), ``accepted-invalid`` (a hostile file loaded), ``hang`` (the
   watchdog fired); ``crash`` (the process died) is seen by the parent of a worker process
-  (benchmarks/fuzz_snapshots.py).
+  (tests/fuzz_campaign.py).
 """
 
 import contextlib

@@ -5,7 +5,7 @@
     python tests/stress.py fresh DIR [--processes 200 --parallel 2]
 
 Each mode prints one JSON line of counts (the tests in test_stress.py and
-benchmarks/snapshot_stress.py read it).
+tests/stress_campaign.py read it).
 
 ``crash`` and ``concurrency`` run in a process that imports mlxkv and then only forks: every
 saver, loader and checker is a forked child that does its MLX work itself (the parent never
@@ -322,7 +322,6 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=tuple(FORMATS), default="mlxkv")
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import mlxkv  # noqa: F401 - imported before any fork, so children share it
 
     if args.mode == "crash":

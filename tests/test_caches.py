@@ -5,7 +5,7 @@ import warnings
 import mlx.core as mx
 import mlx_lm
 import pytest
-from conftest import greedy, run
+from generation import greedy, run
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv

@@ -1,6 +1,6 @@
 """The fuzz suite, in-suite size: seeded damaged and crafted snapshots over every persisted
 kind and the three seeded architectures (tests/fuzzing.py); zero defects. The 50,000-case
-run is benchmarks/fuzz_snapshots.py."""
+run is tests/fuzz_campaign.py."""
 
 import collections
 

@@ -10,8 +10,8 @@ import weakref
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import run
 from fuzzing import Parts, deep, join
+from generation import run
 from helpers import data_start, read_raw, replace_before_tensors
 from stress import killed_writers
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import greedy, run
+from generation import greedy, run
 
 import mlxkv
 from mlxkv.batched.attention import RowFormat

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from generation import run
 
 import mlxkv
 from mlxkv import errors
@@ -471,8 +472,6 @@ def test_empty_or_inconsistent_caches_are_refused(tmp_path):
 
 def test_a_pending_conversion_is_refused(tmp_path, models):
     caches = mlxkv.make_cache(models("llama"), "kv4-start32")
-    from tests.conftest import run
-
     run(models("llama"), caches, list(range(1, 6)))
     with pytest.raises(errors.UnsupportedKindError, match="pending conversion"):
         mlxkv.save(str(tmp_path / "x.mlxkv"), caches, list(range(1, 6)), format="mlx-bun")

@@ -9,8 +9,9 @@
 """
 
 import hashlib
-import importlib
+import json
 import os
+import subprocess
 import sys
 
 import mlx.core as mx
@@ -20,13 +21,11 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 import mlxkv
+from mlxkv.models import numpy_llama
+from mlxkv.models import toy as quality_model
+from mlxkv.models.toy import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-quality = importlib.import_module("quality")
-data = importlib.import_module("quality_data")
-quality_model = importlib.import_module("quality_model")
-numpy_llama = importlib.import_module("quality_numpy_llama")
 
 # Answer letters are uniform over 26 lowercase letters: a model that does not look back at the
 # definitions gets 1/26 of them right (teacher-forced top-1). With bf16 caches at its full
@@ -78,21 +77,27 @@ def test_committed_weights_are_the_recorded_run(model):
     assert n == record["parameters"]
     assert all(v.dtype == mx.bfloat16 for _, v in tree_flatten(model.parameters()))
     assert record["corpus"] == data.CORPUS_NAME
-    shipped = sum(p.stat().st_size for p in quality_model.MODEL_DIR.iterdir())
+    files = ("config.json", "model.safetensors", "train.json")
+    shipped = sum((quality_model.MODEL_DIR / f).stat().st_size for f in files)
     assert shipped < 2_000_000, f"the shipped model takes {shipped} bytes"
 
 
 def test_bf16_recall_beats_chance_at_full_context(model):
     L = quality_model.config()["max_position_embeddings"]
     batch = data.recall_batch(seed=7, batch=4, length=L, n_pairs=16, text=data.corpus_split("eval"))
-    acc, _ = quality.recall_accuracy(model, mlxkv.make_cache(model, "bf16"), batch, chunk=512)
+    acc, _ = data.recall_accuracy(model, mlxkv.make_cache(model, "bf16"), batch, chunk=512)
     assert acc >= CHANCE + RECALL_MARGIN, f"recall {acc:.3f} on {batch.n_queries * 4 * data.VALUE_LEN} letters"
 
 
-def test_reduced_benchmark_table():
-    table = quality.run(reduced=True, log=lambda s: None)
+def test_reduced_benchmark_table(tmp_path):
+    """The benchmark's documented CI command runs as written and writes a sane table."""
+    out = tmp_path / "quality.json"
+    cmd = [sys.executable, "-m", "benchmarks.quality", "--reduced", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    table = json.loads(out.read_text())
     rows = {(r["family"], r["setting"]): r for r in table["rows"]}
-    want = {(c.family, c.setting) for c in quality.grid(reduced=True)}
+    families = ("tova", "qfilters-calibrated", "qfilters-fallback", "window")
+    want = {("bf16", "bf16"), ("kv", "4-bit"), ("kv", "8-bit"), ("turbo", "k8v3"), *((f, "64") for f in families)}
     assert set(rows) == want
     fields = {
         "family",

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from conftest import run
+from generation import run
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache

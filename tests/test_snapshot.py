@@ -8,7 +8,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from conftest import greedy, run
+from generation import greedy, run
 from helpers import data_start, flip_bit, read_raw, rewrite_header
 from safetensors import safe_open
 

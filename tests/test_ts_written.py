@@ -38,7 +38,7 @@ def test_the_checker_accepts_correct_snapshots(out, capsys):
 
 
 def test_the_checker_refuses_a_damaged_or_missing_snapshot(out, capsys):
-    from tests.helpers import data_start, flip_bit
+    from helpers import data_start, flip_bit
 
     path = out / "kv-llama.safetensors"
     flip_bit(str(path), data_start(str(path)) + 100)

@@ -1,13 +1,11 @@
 """TurboQuantKVCache: storage, reads (eager and deferred), conversion, compiled-decode slot."""
 
-import os
-import sys
 import warnings
 
 import mlx.core as mx
 import mlx_lm
 import pytest
-from conftest import greedy, run
+from generation import greedy, run
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
 
@@ -18,9 +16,7 @@ from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
 from mlxkv.models.seeded import prompt, tokenizer
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from turboquant import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs  # noqa: E402  (the benchmark's attention site)
+from mlxkv.quality import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs
 
 
 def kv(L, d=64, H=2, seed=0, dtype=mx.float32):
@@ -175,16 +171,16 @@ def named_read_sites():
         yield
 
 
-def turbo_caches(model, kb, vb, deferred, codes=False):
+def turbo_caches(model, kb, vb, deferred, codes=False, site=None):
     """The model's layout with TurboQuant (from token zero) on the full-attention layers,
-    behind named-read sites when the read is not the eager one."""
+    behind named-read sites when the read is not the eager one (or ``site`` says so)."""
     caches = make_cache(model, "bf16")
     out = []
     for c in caches:
         if c.kind == "kv:plain":
             t = TurboQuantKVCache(kb, vb, deferred=deferred, codes=codes)
             t.masks = c.masks
-            c = NamedReadSite(t) if deferred or codes else t
+            c = NamedReadSite(t) if (deferred or codes if site is None else site) else t
         out.append(c)
     return out
 
@@ -257,7 +253,10 @@ def test_codes_read_inside_mlx_lm_generate(models, named_read_sites, arch):
         assert max(mx.abs(x - y).max().item() for (_, x), (_, y) in zip(a, b)) < 1e-3
     model, tokens = models(arch), prompt(64, seed=12)
     for kb, vb in ((8, 3), (4, 2)):
-        exact, fast = (teacher_forced_logprobs(model, kb, vb, codes, tokens, 32) for codes in (False, True))
+        exact, fast = (
+            teacher_forced_logprobs(model, turbo_caches(model, kb, vb, False, codes, site=True), tokens, 32)
+            for codes in (False, True)
+        )
         assert mx.abs(exact - fast).max().item() < 0.25
         assert all(gap < 0.05 for gap in greedy_flips(exact, fast))  # docs/turboquant.md: a tie or 0.023
 

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import greedy, run
+from generation import greedy, run
 from helpers import rewrite_header
 from safetensors.numpy import load_file
 

@@ -1,7 +1,7 @@
 """Crash consistency, concurrent replace and clean exits at full size (tests/stress.py).
 
-    python benchmarks/snapshot_stress.py [--kills 100] [--savers 4 --loaders 4 --seconds 20]
-                                         [--processes 200]
+    python tests/stress_campaign.py [--kills 100] [--savers 4 --loaders 4 --seconds 20]
+                                    [--processes 200]
 
 - 100 writers SIGKILLed at random moments of a save: the path must always hold a whole
   snapshot (the old or the new), and at most one temporary may be left;
@@ -19,8 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STRESS = os.path.join(ROOT, "tests", "stress.py")
+STRESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stress.py")
 
 
 def stress(*args) -> dict:

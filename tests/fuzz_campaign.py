@@ -1,6 +1,6 @@
 """The fuzz suite at full size: seeded damaged and crafted snapshots, outcomes classified.
 
-    python benchmarks/fuzz_snapshots.py [--cases 50000 --seed 0 --workers 2] [--container mlx-bun]
+    python tests/fuzz_campaign.py [--cases 50000 --seed 0 --workers 2] [--container mlx-bun]
 
 Cases are tests/fuzzing.py's (every persisted kind, the three seeded architectures; bit
 flips, truncations, appended bytes, valid-JSON edits of both headers, crafted headers with
@@ -11,7 +11,7 @@ table of outcomes per mutation and exits 1 if any case is a defect. ``--containe
 runs tests/fuzzing_mlxbun.py's cases instead: mlx-bun cache files (formats 3, 4, 5) bit
 flipped, cut, crafted, hostile, JSON bombs, damaged blocks.
 
-    python benchmarks/fuzz_snapshots.py --parity 5000
+    python tests/fuzz_campaign.py --parity 5000
 
 reads the first cases with mlxkv and with the independent TypeScript reader of
 fixtures/ts (built with ``npm ci --prefix fixtures/ts && npm run build --prefix fixtures/ts``)
@@ -31,8 +31,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 STALL_SECONDS = 120.0  # a worker silent this long on one case is hung beyond the watchdog
 CONTAINERS = ("mlxkv", "mlx-bun")

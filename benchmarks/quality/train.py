@@ -1,13 +1,13 @@
-"""Train the quality model and write it to ``fixtures/quality-model/``.
+"""Train the toy model and write it to ``mlxkv/models/toy/``.
 
-A small mlx-lm ``llama`` (byte tokens) trained on the mix of ``quality_data``: corpus text
-with associative-recall pairs and queries. Deterministic: the seed fixes the initial weights
-and every batch, and the arithmetic (``quality_numpy_llama``, numpy float32) is the same on
+A small mlx-lm ``llama`` (byte tokens) trained on the mix of ``mlxkv.models.toy.data``: corpus
+text with associative-recall pairs and queries. Deterministic: the seed fixes the initial weights
+and every batch, and the arithmetic (``mlxkv.models.numpy_llama``, numpy float32) is the same on
 every run on the same machine. The weights are stored in bfloat16.
 
 Usage:
-  python benchmarks/quality_train.py             # train, write fixtures/quality-model/
-  python benchmarks/quality_train.py --check     # retrain in a temporary folder, compare hashes
+  python -m benchmarks.quality.train             # train, write mlxkv/models/toy/
+  python -m benchmarks.quality.train --check     # retrain in a temporary folder, compare hashes
 """
 
 import argparse
@@ -22,11 +22,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import quality_data as data  # benchmarks/ is on sys.path: the script's folder
-import quality_numpy_llama as llama
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(os.path.dirname(HERE), "fixtures", "quality-model")
+from mlxkv.models import numpy_llama as llama
+from mlxkv.models.toy import MODEL_DIR as OUT
+from mlxkv.models.toy import data
+
 SEED = 15
 
 CONFIG = {
@@ -208,13 +208,13 @@ def single_threaded_blas():
     threads instead (numpy releases the GIL). The variable must be set before numpy loads."""
     if os.environ.get("OPENBLAS_NUM_THREADS") != "1":
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
-        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]])
 
 
 def main(argv=None):
     single_threaded_blas()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--check", action="store_true", help="retrain into a temporary folder; compare weight hashes")
     args = ap.parse_args(argv)
     if not args.check:

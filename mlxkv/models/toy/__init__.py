@@ -1,11 +1,13 @@
-"""Load the committed quality model (``fixtures/quality-model/``) as an mlx-lm llama."""
+"""The toy model: a small llama (byte tokens, 690k parameters) trained on the associative-recall
+task of ``data.py``, shipped with the package so the scheme tests have a model that looks back
+at its context. ``benchmarks/quality/train.py`` trained it (``train.json`` records the run).
+"""
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-MODEL_DIR = Path(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) / "fixtures" / "quality-model"
+MODEL_DIR = Path(__file__).resolve().parent
 
 
 def model_id(path: Path = MODEL_DIR) -> str:

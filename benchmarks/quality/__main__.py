@@ -1,4 +1,4 @@
-"""What each cache scheme costs in quality, measured on the trained quality model.
+"""What each cache scheme costs in quality, measured on the toy model (``mlxkv.models.toy``).
 
 For every scheme of the grid and every context length, in one run:
   - recall: teacher-forced top-1 accuracy on the answer letters of associative-recall queries
@@ -16,15 +16,13 @@ For every scheme of the grid and every context length, in one run:
 Eviction budgets at or above the context evict nothing and are not run at that context.
 
 Usage:
-  python benchmarks/quality.py [--contexts 512 2048] [--jobs 2] [--out benchmarks/results/quality.json]
+  python -m benchmarks.quality [--contexts 512 2048] [--jobs 2] [--out benchmarks/results/quality.json]
                                [--plot docs/img]
-  python benchmarks/quality.py --reduced        # the CI grid, seconds
+  python -m benchmarks.quality --reduced        # the CI grid, seconds
 """
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -33,13 +31,14 @@ from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 import numpy as np
-import quality_data as data  # benchmarks/ is on sys.path: the script's folder, or the test's insert
-import quality_model
 
 import mlxkv
+from benchmarks.common import RESULTS, write_result
+from mlxkv.models import toy
+from mlxkv.models.toy import data
+from mlxkv.quality import held_bytes, marginal_bytes, prefill_logprobs, text_scores
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "results", "quality.json")
+OUT = RESULTS / "quality.json"
 
 KV_BITS = (2, 4, 8)
 TURBO_PAIRS = ((2, 2), (4, 2), (4, 4), (8, 3), (8, 8))
@@ -85,63 +84,6 @@ def grid(reduced: bool = False) -> list[Case]:
 
 
 # -- measurements -------------------------------------------------------------------------
-
-
-def _eval_caches(caches):
-    mx.eval([c.state for c in caches])
-
-
-def prefill_logprobs(model, caches, tokens: mx.array, chunk: int) -> mx.array:
-    """Log-probabilities [B, L, V] (float32): tokens ``0 .. L-2`` prefilled in chunks of
-    ``chunk``, the last token appended as a decode step, so the caches end in the state a
-    generation sees (a rotating window drops the extra rows a multi-token block leaves)."""
-    L = tokens.shape[1]
-    bounds = [(i, min(i + chunk, L - 1)) for i in range(0, L - 1, chunk)] + [(L - 1, L)]
-    out = []
-    for a, b in bounds:
-        logits = model(tokens[:, a:b], cache=caches).astype(mx.float32)
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        mx.eval(lp)
-        _eval_caches(caches)
-        out.append(lp)
-    return mx.concatenate(out, axis=1)
-
-
-def text_scores(lp: mx.array, ref_lp: mx.array, tokens: mx.array, first: int):
-    """(mean NLL, mean KL(ref || lp)) over predictions made at positions ``first .. L-2``."""
-    lp, ref = lp[:, first:-1], ref_lp[:, first:-1]
-    nll = -mx.take_along_axis(lp, tokens[:, first + 1 :, None], axis=-1)
-    kl = mx.sum(mx.exp(ref) * (ref - lp), axis=-1)
-    return float(mx.mean(nll).item()), float(mx.mean(kl).item())
-
-
-def recall_accuracy(model, caches, batch: data.RecallBatch, chunk: int) -> tuple:
-    """(per-token, exact) teacher-forced top-1 accuracy on the answers.
-
-    The context before the first query is prefilled in chunks; then each query with its
-    answer (``ASK K1 K2 v1 v2 v3``) is one block through the cache, and the arg-max after
-    ``K2``, ``v1`` and ``v2`` is compared with ``v1``, ``v2``, ``v3``. Per-token: the fraction
-    of answer letters right; exact: the fraction of queries with all three right."""
-    tokens = mx.array(batch.tokens)
-    for i in range(0, batch.prefix, chunk):
-        model(tokens[:, i : min(i + chunk, batch.prefix)], cache=caches)
-        _eval_caches(caches)
-    hits = []
-    for q in range(batch.n_queries):
-        start = batch.prefix + q * data.ITEM_LEN
-        block = tokens[:, start : start + data.ITEM_LEN]
-        pred = mx.argmax(model(block, cache=caches)[:, data.PROMPT_LEN - 1 : -1], axis=-1)
-        hits.append(np.array(pred == block[:, data.PROMPT_LEN :]))
-    hits = np.stack(hits, axis=1)  # [B, Q, VALUE_LEN]
-    return float(hits.mean()), float(hits.all(axis=-1).mean())
-
-
-def held_bytes(caches) -> int:
-    return int(sum(c.nbytes for c in caches))
-
-
-def marginal_bytes(caches) -> int:
-    return int(sum(c.bytes_per_token() for c in caches))
 
 
 def calibrate(model, reduced: bool):
@@ -198,7 +140,7 @@ def measure(model, cases: list[Case], settings: Settings, calibration=None, log:
                 "kl": kl,
                 "seconds": 0.0,
             }
-            row["recall"], row["recall_exact"] = recall_accuracy(
+            row["recall"], row["recall_exact"] = data.recall_accuracy(
                 model, case.caches(model, calibration), recall, settings.chunk
             )
             row["seconds"] = round(time.perf_counter() - t0, 2)
@@ -211,7 +153,7 @@ def measure(model, cases: list[Case], settings: Settings, calibration=None, log:
 
 
 def _measure_in_process(reduced: bool, settings: Settings, cases: list[Case], model_dir) -> list:
-    model = quality_model.load(model_dir)
+    model = toy.load(model_dir)
     calibration = calibrate(model, reduced)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -222,7 +164,7 @@ def run(
     reduced: bool = False,
     settings: Settings | None = None,
     log: Callable = print,
-    model_dir=quality_model.MODEL_DIR,
+    model_dir=toy.MODEL_DIR,
     jobs: int = 1,
 ) -> dict:
     """Load the quality model, calibrate Q-Filters, evaluate the grid (reduced: the CI grid)
@@ -232,7 +174,7 @@ def run(
     cases = grid(reduced)
     t0 = time.perf_counter()
     if jobs <= 1:
-        model = quality_model.load(model_dir)
+        model = toy.load(model_dir)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rows = measure(model, cases, settings, calibrate(model, reduced), log)
@@ -254,8 +196,8 @@ def run(
                 seen.add(key)
                 rows.append(r)
     return {
-        "model": quality_model.model_id(model_dir),
-        "config": quality_model.config(model_dir),
+        "model": toy.model_id(model_dir),
+        "config": toy.config(model_dir),
         "corpus": data.CORPUS_NAME,
         "corpus_sha256": data.corpus_sha256(),
         "settings": {
@@ -280,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--n-text", type=int)
     ap.add_argument("--n-recall", type=int)
     ap.add_argument("--jobs", type=int, default=1, help="processes to split the grid over")
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--out", help=f"default: {OUT.name}, or quality-reduced.json with --reduced (beside it)")
     ap.add_argument("--plot", metavar="DIR", help="also write PNG plots there (needs matplotlib)")
     args = ap.parse_args(argv)
     settings = REDUCED if args.reduced else Settings()
@@ -292,14 +234,12 @@ def main(argv=None):
     }
     settings = Settings(**{**asdict(settings), **{k: v for k, v in overrides.items() if v is not None}})
     table = run(args.reduced, settings, log=lambda s: print(s, flush=True), jobs=args.jobs)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(table, f, indent=1)
-    print(f"wrote {args.out} ({len(table['rows'])} rows, {table['seconds']} s)")
+    out = write_result("quality-reduced" if args.reduced else "quality", table, args.out)
+    print(f"wrote {out} ({len(table['rows'])} rows, {table['seconds']} s)")
     if args.plot:
-        import quality_plot
+        from benchmarks.quality import plot
 
-        for path in quality_plot.plot_all(table, args.plot):
+        for path in plot.plot_all(table, args.plot):
             print(f"wrote {path}")
     return 0
 

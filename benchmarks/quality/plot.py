@@ -1,10 +1,10 @@
-"""Plots of ``benchmarks/quality.py``'s JSON table: quality against cache bytes per token.
+"""Plots of the quality benchmark's JSON table: quality against cache bytes per token.
 
 One PNG per metric (recall, relative perplexity, KL) at the largest context, one line per
 scheme family, plus recall against context length per family at one budget.
 
-Usage: python benchmarks/quality_plot.py [benchmarks/results/quality.json] [--out docs/img]
-       python benchmarks/quality_plot.py [benchmarks/results/quality.json] --markdown [CONTEXT ...]
+Usage: python -m benchmarks.quality.plot [benchmarks/results/quality.json] [--out docs/img]
+       python -m benchmarks.quality.plot [benchmarks/results/quality.json] --markdown [CONTEXT ...]
 """
 
 import argparse
@@ -12,7 +12,9 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.common import RESULTS
+
+DOCS_IMG = RESULTS.parent.parent / "docs" / "img"
 
 STYLE = {
     "bf16": ("black", "*"),
@@ -143,8 +145,8 @@ def markdown_table(table: dict, context: int | None = None) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", nargs="?", default=os.path.join(HERE, "results", "quality.json"))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs", "img"))
+    ap.add_argument("table", nargs="?", default=str(RESULTS / "quality.json"))
+    ap.add_argument("--out", default=str(DOCS_IMG))
     ap.add_argument(
         "--markdown",
         type=int,

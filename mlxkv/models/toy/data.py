@@ -1,4 +1,4 @@
-"""The quality model's data: byte tokens of an offline corpus, plus an associative-recall task.
+"""The toy model's data: byte tokens of an offline corpus, plus an associative-recall task.
 
 Corpus: the English documentation text of the CPython standard library's ``pydoc_data.topics``
 (the help() topics; present in every CPython install), topics joined in sorted order, UTF-8
@@ -101,6 +101,29 @@ def recall_batch(seed: int, batch: int, length: int, n_pairs: int, text: np.ndar
     return RecallBatch(
         np.stack(rows), np.stack(keys), np.stack(values), np.stack(orders), 1 + n_pairs * ITEM_LEN + filler
     )
+
+
+def recall_accuracy(model, caches, batch: RecallBatch, chunk: int) -> tuple[float, float]:
+    """(per-token, exact) teacher-forced top-1 accuracy of ``model`` on the batch's answers.
+
+    The context before the first query is prefilled in chunks; then each query with its
+    answer (``ASK K1 K2 v1 v2 v3``) is one block through the cache, and the arg-max after
+    ``K2``, ``v1`` and ``v2`` is compared with ``v1``, ``v2``, ``v3``. Per-token: the fraction
+    of answer letters right; exact: the fraction of queries with all three right."""
+    import mlx.core as mx
+
+    tokens = mx.array(batch.tokens)
+    for i in range(0, batch.prefix, chunk):
+        model(tokens[:, i : min(i + chunk, batch.prefix)], cache=caches)
+        mx.eval([c.state for c in caches])
+    hits = []
+    for q in range(batch.n_queries):
+        start = batch.prefix + q * ITEM_LEN
+        block = tokens[:, start : start + ITEM_LEN]
+        pred = mx.argmax(model(block, cache=caches)[:, PROMPT_LEN - 1 : -1], axis=-1)
+        hits.append(np.array(pred == block[:, PROMPT_LEN:]))
+    hits = np.stack(hits, axis=1)  # [B, Q, VALUE_LEN]
+    return float(hits.mean()), float(hits.all(axis=-1).mean())
 
 
 def text_batch(batch: int, length: int, text: np.ndarray) -> np.ndarray:

@@ -1,11 +1,11 @@
 """mlx-lm's ``llama`` forward pass and its gradients, written out in numpy (float32).
 
-The quality model is trained here rather than in MLX because the Linux ``mlx[cpu]`` wheel
-multiplies matrices with a reference BLAS (single-threaded, a few GFLOP/s), while numpy's
-OpenBLAS uses every core; the arithmetic is the mlx-lm llama's exactly (RMSNorm, split-half
-RoPE, grouped-query causal attention, SwiGLU, tied embeddings), and
-``tests/test_quality_model.py`` checks logits and gradients against MLX's autograd on the
-mlx-lm module.
+The toy model (``mlxkv.models.toy``) was trained with it (``benchmarks/quality/train.py``)
+rather than in MLX because the Linux ``mlx[cpu]`` wheel multiplies matrices with a reference
+BLAS (single-threaded, a few GFLOP/s), while numpy's OpenBLAS uses every core. The arithmetic
+is the mlx-lm llama's exactly (RMSNorm, split-half RoPE, grouped-query causal attention,
+SwiGLU, tied embeddings); ``tests/test_quality_model.py`` checks logits and gradients against
+MLX's autograd on the mlx-lm module.
 
 Parameters are a dict keyed by mlx-lm's weight names, linear weights ``[out, in]``.
 """
