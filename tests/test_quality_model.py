@@ -95,6 +95,11 @@ def test_reduced_benchmark_table(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.quality", "--reduced", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
     table = json.loads(out.read_text())
+    plot = [sys.executable, "-m", "benchmarks.quality.plot", str(out), "--markdown"]
+    shown = subprocess.run([*plot, "256"], cwd=ROOT, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.count("\n| ") == len(table["rows"])
+    absent = subprocess.run([*plot, "256", "1024"], cwd=ROOT, capture_output=True, text=True)
+    assert absent.returncode == 2 and "no rows at context [1024]: it measured [256]" in absent.stderr
     rows = {(r["family"], r["setting"]): r for r in table["rows"]}
     families = ("tova", "qfilters-calibrated", "qfilters-fallback", "window")
     want = {("bf16", "bf16"), ("kv", "4-bit"), ("kv", "8-bit"), ("turbo", "k8v3"), *((f, "64") for f in families)}

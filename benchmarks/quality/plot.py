@@ -157,6 +157,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     with open(args.table) as f:
         table = json.load(f)
+    measured = sorted({r["context"] for r in table["rows"]})
+    missing = [c for c in args.markdown or [] if c not in measured]
+    if missing:
+        ap.error(f"{args.table} has no rows at context {missing}: it measured {measured}")
     if args.markdown is not None:
         for c in args.markdown or [None]:
             print(markdown_table(table, c), end="\n\n")
