@@ -92,6 +92,7 @@ def cmd_inspect(args) -> int:
     from .io.mlxbun import MlxBunFile
     from .state.checkpoint import describe as describe_checkpoint
     from .state.header import check_header
+    from .state.identity import RECORDED_FIELDS
 
     with open_container(args.file) as file:  # one file, however the path is renamed over
         if isinstance(file, MlxBunFile):  # hook: mlx-bun's format (state/mlxbun.py describes it)
@@ -106,10 +107,7 @@ def cmd_inspect(args) -> int:
         ("formatVersion", header.get("formatVersion")),
         ("codecProvider", header.get("codecProvider")),
         ("createdAt", header.get("createdAt")),
-        ("modelId", header.get("modelId")),
-        ("configFingerprint", header.get("configFingerprint")),
-        ("tokenizerHash", header.get("tokenizerHash")),
-        ("ns", repr(header.get("ns", ""))),
+        *((k, repr(header.get(k, "")) if k == "ns" else header.get(k)) for k in RECORDED_FIELDS),
         ("tokens", f"{len(tokens)} [{shown}]"),
     ]
     general += describe_checkpoint(header)
@@ -163,15 +161,12 @@ def cmd_verify(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from .state.identity import RECORDED
     from .state.mlxbun import convert_snapshot, file_format
     from .state.prompt_cache import convert_prompt_cache, parse_tokens
 
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
-    identity = {
-        k: getattr(args, k)
-        for k in ("model_id", "config_fingerprint", "tokenizer_hash", "ns")
-        if getattr(args, k) is not None
-    }
+    identity = {k: getattr(args, k) for k in RECORDED if getattr(args, k) is not None}
     src_format = file_format(args.src)  # hook: mlxkv and mlx-bun snapshots convert either way
     if src_format != "mlx-lm":
         if tokens is not None:

@@ -332,7 +332,7 @@ def test_slots_of_the_wrong_rank_are_refused(saved):
 
 def test_identity_is_derived_from_config_and_weights(models):
     from mlxkv.models.seeded import build_model
-    from mlxkv.state.identity import canonical_config, model_fingerprint, model_identity
+    from mlxkv.state.identity import Identity, canonical_config, model_fingerprint, model_identity
 
     llama = models("llama")
     assert model_fingerprint(llama) == model_fingerprint(models("llama"))  # cached, and stable
@@ -340,4 +340,4 @@ def test_identity_is_derived_from_config_and_weights(models):
     other_weights = build_model("llama", seed=1)  # same architecture and config
     assert canonical_config(other_weights) == canonical_config(llama)
     assert model_fingerprint(other_weights) != model_fingerprint(llama)
-    assert model_identity(llama) == {"model_id": "seeded/llama@0", "config_fingerprint": model_fingerprint(llama)}
+    assert model_identity(llama) == Identity(model_id="seeded/llama@0", config_fingerprint=model_fingerprint(llama))

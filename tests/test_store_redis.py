@@ -242,10 +242,10 @@ def test_the_layout_reads_back_without_mlxkv(models, server, r):
     ident = store.identity
     doc = {
         "block": BLOCK,
-        "configFingerprint": ident["configFingerprint"],
+        "configFingerprint": ident.config_fingerprint,
         "kvScheme": "",
         "ns": "",
-        "tokenizerHash": ident["tokenizerHash"],
+        "tokenizerHash": ident.tokenizer_hash,
     }
     seed = hashlib.sha256(b"mlxkv-store-1\n" + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).digest()
     space = seed[:16].hex()

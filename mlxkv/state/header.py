@@ -16,6 +16,7 @@ from ..errors import CorruptSnapshotError, FormatVersionError, MLXKVError, Snaps
 from ..families import family_of_persisted
 from ..io import strict_json
 from ..io.safetensors import SafetensorsHeader, crc32_hex
+from .identity import RECORDED_FIELDS
 from .kinds import check_entry
 
 FORMAT_VERSION = 2  # 2: generationCheckpoint in mlx-bun's layout (docs/format.md section 9)
@@ -23,8 +24,8 @@ CODEC_PROVIDER = "mlxkv"
 ACCEPTED_PROVIDERS = ("mlxkv", "mlx-bun")
 META_KEY = "mlxkv"
 META_CRC_KEY = "mlxkv.crc32"
-#: header fields that must be strings (identity and time; "" when unknown)
-STRING_FIELDS = ("createdAt", "modelId", "configFingerprint", "tokenizerHash", "ns")
+#: header fields that must be strings (time and identity; "" when unknown)
+STRING_FIELDS = ("createdAt", *RECORDED_FIELDS)
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 
 

@@ -1,7 +1,9 @@
-"""Who a snapshot belongs to: model id, model fingerprint, tokenizer hash, adapter namespace,
-and the geometry (layer count, kv heads, head dim) a model expects.
+"""Who a snapshot belongs to: model id, model fingerprint, tokenizer hash, adapter namespace
+(:class:`Identity`), and the geometry (layer count, kv heads, head dim) a model expects.
 
-This module is the one place identity is derived; snapshots, sessions and stores call it.
+This module is the one place identity is derived and the one place its fields are named:
+snapshots, mlx-bun files, sessions, the command line and the prompt store all go through
+:class:`Identity` for the mapping between Python keywords and header fields.
 
 The fingerprint a snapshot records (header field ``configFingerprint``) names the model that
 computed its caches: sha256 over the model's canonical config and a CRC-32 of every
@@ -20,14 +22,105 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..caches.schemes import attention_geometry, make_cache, model_config
+from ..errors import IdentityMismatchError, SnapshotError
 from ..io.safetensors import array_buffer, crc32
 
-IDENTITY_FIELDS = {  # python keyword -> header field
+#: Python keyword -> header field of everything an identity holds, in header order. Every
+#: snapshot records the first four ("" when unknown); ``kvScheme`` is recorded by a prompt
+#: store's entries only (docs/store.md), and only when set.
+FIELDS = {
     "model_id": "modelId",
     "config_fingerprint": "configFingerprint",
     "tokenizer_hash": "tokenizerHash",
     "ns": "ns",
+    "kv_scheme": "kvScheme",
 }
+#: the keywords every snapshot header records, and the ones ``load(**expect)`` compares
+RECORDED = ("model_id", "config_fingerprint", "tokenizer_hash", "ns")
+RECORDED_FIELDS = tuple(FIELDS[key] for key in RECORDED)
+#: what an entry must share with a prompt store to serve it: the model's computation, the
+#: tokenizer and the cache scheme (an id names a model, it does not compute; the namespace is
+#: part of every lookup already)
+SERVES = ("config_fingerprint", "tokenizer_hash", "kv_scheme")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a snapshot belongs to, as its header records it (docs/format.md section 3): the
+    model's id and fingerprint, the tokenizer's hash, the adapter namespace, and (a prompt
+    store's entries) the cache scheme. ``""`` is unknown."""
+
+    model_id: str = ""
+    config_fingerprint: str = ""
+    tokenizer_hash: str = ""
+    ns: str = ""
+    kv_scheme: str = ""
+
+    def __post_init__(self):
+        for key in FIELDS:
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                raise SnapshotError(f"{key} must be a string, got {value!r}")
+
+    @classmethod
+    def from_header(cls, header: dict) -> "Identity":
+        """The identity a checked header records (a field it lacks is ``""``)."""
+        return cls(**{key: header.get(name, "") for key, name in FIELDS.items()})
+
+    @classmethod
+    def resolved(cls, model=None, **given) -> "Identity":
+        """The identity to record: each keyword given (not None), else what ``model`` gives
+        (:func:`model_identity`), else ``""``."""
+        unknown = set(given) - set(FIELDS)
+        if unknown:
+            raise TypeError(f"unexpected identity keywords {sorted(unknown)}: identity fields are {list(FIELDS)}")
+        derived = model_identity(model) if model is not None else cls()
+        return cls(**{key: getattr(derived, key) if given.get(key) is None else given[key] for key in FIELDS})
+
+    def replace(self, **changes) -> "Identity":
+        """This identity with the given keywords (those not None) replaced."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def keywords(self) -> dict:
+        """The keywords a snapshot records (``save(..., **identity.keywords())``)."""
+        return {key: getattr(self, key) for key in RECORDED}
+
+    def header_fields(self) -> dict:
+        """Header field -> value, in header order: the four every snapshot records, then
+        ``kvScheme`` when set."""
+        out = {name: getattr(self, key) for key, name in zip(RECORDED, RECORDED_FIELDS)}
+        if self.kv_scheme:
+            out[FIELDS["kv_scheme"]] = self.kv_scheme
+        return out
+
+    def serves(self, header: dict) -> bool:
+        """Does a snapshot with ``header`` belong to this identity's model computation,
+        tokenizer and cache scheme (:data:`SERVES`)?"""
+        return all(header.get(FIELDS[key], "") == getattr(self, key) for key in SERVES)
+
+    def key_fields(self, ns: str) -> dict:
+        """The fields a prompt store seeds its keys with in namespace ``ns`` (docs/store.md):
+        :data:`SERVES` and the namespace, by header field."""
+        out = {FIELDS[key]: getattr(self, key) for key in SERVES}
+        out[FIELDS["ns"]] = ns
+        return out
+
+
+def check_expected(where: str, header: dict, expect: dict) -> None:
+    """Each given expectation (a keyword of :data:`RECORDED`, None: not compared) equals
+    the header's field; else :class:`IdentityMismatchError`."""
+    for key, value in expect.items():
+        if key not in RECORDED:
+            raise TypeError(f"load() got an unexpected expectation {key!r}")
+        if value is None:
+            continue
+        name = FIELDS[key]
+        if header.get(name) != value:
+            raise IdentityMismatchError(
+                f"{where}: {name} is {header.get(name)!r}, expected {value!r}: "
+                "this snapshot belongs to another model, tokenizer, config or adapter"
+            )
+
 
 #: config keys that name, date or package a model without changing what it computes
 NON_COMPUTING_KEYS = frozenset(
@@ -132,11 +225,16 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def model_identity(model) -> dict:
-    """The identity fields a snapshot of this model records: its id (``mlxkv_model_id`` when
-    it has one, else ``""``: an architecture name is not an identity) and its fingerprint."""
+def model_identity(model, tokenizer=None) -> Identity:
+    """The identity a snapshot of this model records: its id (``mlxkv_model_id`` when it
+    has one, else ``""``: an architecture name is not an identity), its fingerprint, and the
+    tokenizer's hash when a tokenizer is given."""
     model_id = getattr(model, "mlxkv_model_id", None) or ""
-    return {"model_id": str(model_id), "config_fingerprint": model_fingerprint(model)}
+    return Identity(
+        model_id=str(model_id),
+        config_fingerprint=model_fingerprint(model),
+        tokenizer_hash=tokenizer_hash(tokenizer) if tokenizer is not None else "",
+    )
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ from ..io.tensor_reader import TensorReader, check_allocation
 from .checkpoint import describe as describe_checkpoint
 from .checkpoint import normalized, read_checkpoint
 from .header import check_position, check_tokens
-from .identity import IDENTITY_FIELDS
+from .identity import RECORDED_FIELDS, Identity, check_expected
 from .kinds import check_entry
-from .snapshot import Snapshot, check_for_model, check_identity, decode, encode_layer
+from .snapshot import Snapshot, check_for_model, decode, encode_layer
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
@@ -191,13 +191,13 @@ def translate(f: container.MlxBunHeader) -> tuple[dict, list]:
     created = raw.get("createdAt")
     if not is_int(created) or not 0 <= created <= MAX_CREATED_AT:
         _corrupt(where, f"createdAt {str(created)[:40]} is not milliseconds since the epoch (0..{MAX_CREATED_AT})")
-    for name in IDENTITY_FIELDS.values():
+    for name in RECORDED_FIELDS:
         if name in raw and type(raw[name]) is not str:
             _corrupt(where, f"{name} must be a string, got {str(raw[name])[:40]}")
     tokens = check_tokens(where, raw.get("tokens"))
     layers = [_translate_entry(where, i, e, s, tokens) for i, (e, s) in enumerate(zip(raw["caches"], f.caches))]
     header = {"formatVersion": f.version, "createdAt": iso_time(created), "codecProvider": PROVIDER}
-    header.update({k: raw[k] for k in IDENTITY_FIELDS.values() if k in raw})
+    header.update({k: raw[k] for k in RECORDED_FIELDS if k in raw})
     header["tokens"] = list(tokens)
     header["caches"] = [layer.entry for layer in layers]
     for k in ("generationCheckpoint", "attachments"):  # kept as the file has them
@@ -267,7 +267,7 @@ def load_mlx_bun(
     with _opened(source) as f:
         h, where = f.header, f.where
         header, layers = translate(h)
-        check_identity(where, header, expect)
+        check_expected(where, header, expect)
         if model is not None:
             check_for_model(where, header, model, allow_other_model)
         if check is not None:
@@ -464,8 +464,7 @@ def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **ide
 
     snap = load(src)
     h = snap.header
-    ident = {k: h.get(f, "") for k, f in IDENTITY_FIELDS.items()}
-    ident.update({k: v for k, v in identity.items() if v is not None})
+    ident = Identity.from_header(h).replace(**identity).keywords()
     created = h["mlxBun"]["createdAt"] if isinstance(snap, MlxBunSnapshot) else h.get("createdAt")
     bun_attachments = snap.attachments if isinstance(snap, MlxBunSnapshot) else []
     checkpoint = h.get("generationCheckpoint")
@@ -526,7 +525,7 @@ def describe(source) -> tuple[list, list, list]:
         ("codecProvider", raw.get("codecProvider", f"{container.CODEC_PROVIDER} (absent: an early v3 file)")),
         ("createdAt", f"{raw['createdAt']} ({header['createdAt']})"),
     ]
-    general += [(k, repr(raw[k]) if k == "ns" else raw[k]) for k in IDENTITY_FIELDS.values() if k in raw]
+    general += [(k, repr(raw[k]) if k == "ns" else raw[k]) for k in RECORDED_FIELDS if k in raw]
     general.append(("tokens", f"{len(tokens)} [{shown}]"))
     general += describe_checkpoint(header)
     for att, group in zip(raw.get("attachments", []), f.attachments):

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..errors import MLXKVError
 from ..io.safetensors import DTYPES
+from .identity import Identity
 from .snapshot import decode, encode
 
 _SPAN = 64  # tokens compared per slice before the token-by-token finish
@@ -136,10 +137,7 @@ def probe(header: dict) -> Reuse:
 
 def _identity(header: dict) -> dict:
     return {
-        "model_id": header.get("modelId", ""),
-        "config_fingerprint": header.get("configFingerprint", ""),
-        "tokenizer_hash": header.get("tokenizerHash", ""),
-        "ns": header.get("ns", ""),
+        **Identity.from_header(header).keywords(),
         "attachments": header.get("attachments"),
         "created_at": header.get("createdAt"),
     }

@@ -47,7 +47,7 @@ from .header import (  # noqa: F401 - the header constants are part of this modu
     META_KEY,
     check_header,
 )
-from .identity import IDENTITY_FIELDS, legacy_config_fingerprint, model_fingerprint, model_geometry, model_identity
+from .identity import Identity, check_expected, legacy_config_fingerprint, model_fingerprint, model_geometry
 from .kinds import is_recurrent_cache
 
 
@@ -105,19 +105,6 @@ def _encode_all(caches, tokens):
     return entries, tensors
 
 
-def _identity(model, given: dict) -> dict:
-    """The identity fields to record: what is given, else what the model gives, else ""."""
-    derived = model_identity(model) if model is not None else {}
-    out = {}
-    for key in IDENTITY_FIELDS:
-        value = given.get(key)
-        value = derived.get(key, "") if value is None else value
-        if not isinstance(value, str):
-            raise SnapshotError(f"{key} must be a string, got {value!r}")
-        out[key] = value
-    return out
-
-
 def _check_readable(base: dict, tensors) -> None:
     """Run the reader's header checks on what is about to be written, so a save never writes
     a file a reader refuses (a token id out of range, an ssm entry too large, ...)."""
@@ -146,19 +133,19 @@ def encode(
     config_fingerprint: str | None = None,
     tokenizer_hash: str | None = None,
     ns: str | None = None,
+    kv_scheme: str | None = None,
     generation_checkpoint: dict | None = None,
     attachments: dict | None = None,
     created_at: str | None = None,
-    extra: dict | None = None,
 ) -> tuple[dict, list[tuple[str, mx.array]]]:
     """The snapshot of ``caches`` in memory: its mlxkv header and its (name, array) tensors.
 
     The arrays are the caches' own stored rows (views, nothing copied); each tensor entry of
-    the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``extra`` adds
-    header fields (a writer may; readers ignore fields they do not know). ``model`` gives
+    the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``model`` gives
     the identity fields (its id and fingerprint, ``mlxkv.state.identity``) the keywords do
-    not. Everything is checked here, by the reader's own header checks among others, so a
-    write of the result fails only for file-system reasons.
+    not; ``kv_scheme`` is a prompt store's (docs/store.md). Everything is checked here, by
+    the reader's own header checks among others, so a write of the result fails only for
+    file-system reasons.
     """
     try:
         tokens = [int(t) for t in tokens]
@@ -167,15 +154,19 @@ def encode(
     entries, tensors = _encode_all(list(caches), tokens)
     for name, a in tensors:
         check_storable(name, a)  # unsupported dtypes and ranks fail before any file is opened
-    identity = _identity(
+    identity = Identity.resolved(
         model,
-        {"model_id": model_id, "config_fingerprint": config_fingerprint, "tokenizer_hash": tokenizer_hash, "ns": ns},
+        model_id=model_id,
+        config_fingerprint=config_fingerprint,
+        tokenizer_hash=tokenizer_hash,
+        ns=ns,
+        kv_scheme=kv_scheme,
     )
     header = {
         "formatVersion": FORMAT_VERSION,
         "createdAt": created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "codecProvider": CODEC_PROVIDER,
-        **{field: identity[key] for key, field in IDENTITY_FIELDS.items()},
+        **identity.header_fields(),
         "tokens": tokens,
         "caches": entries,
     }
@@ -183,8 +174,6 @@ def encode(
         header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
     if attachments:
         header["attachments"] = attachments
-    for key, value in (extra or {}).items():
-        header.setdefault(key, value)
     try:
         json.dumps(header)
     except (TypeError, ValueError) as e:
@@ -247,10 +236,9 @@ def save(
     ``created_at`` pins the timestamp (fixtures). ``format="mlx-bun"`` writes mlx-bun's
     cache-file format instead (docs/mlx-bun.md).
     """
-    identity = _identity(
-        model,
-        {"model_id": model_id, "config_fingerprint": config_fingerprint, "tokenizer_hash": tokenizer_hash, "ns": ns},
-    )
+    identity = Identity.resolved(
+        model, model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash, ns=ns
+    ).keywords()
     if format == "mlx-bun":  # hook: mlx-bun's format lives in state/mlxbun.py
         from .mlxbun import save_mlx_bun
 
@@ -295,22 +283,6 @@ def read_header(path: str) -> dict:
 
             return read_mlx_bun_header(file)
         return check_header(file.header)
-
-
-def check_identity(path, header, expect):
-    """Each given expectation (model_id, config_fingerprint, tokenizer_hash, ns) equals the
-    header's field."""
-    for key, value in expect.items():
-        if key not in IDENTITY_FIELDS:
-            raise TypeError(f"load() got an unexpected expectation {key!r}")
-        if value is None:
-            continue
-        field_name = IDENTITY_FIELDS[key]
-        if header.get(field_name) != value:
-            raise IdentityMismatchError(
-                f"{path}: {field_name} is {header.get(field_name)!r}, expected {value!r}: "
-                "this snapshot belongs to another model, tokenizer, config or adapter"
-            )
 
 
 def check_model_identity(path, header, model):
@@ -378,7 +350,7 @@ def _read(file: SafetensorsFile, model, verify, slack, progress, allow_other_mod
     """``read`` on a file already open (``load`` opens it with ``open_container``)."""
     path = file.path
     header = check_header(file.header)
-    check_identity(path, header, expect)
+    check_expected(path, header, expect)
     if model is not None:
         check_for_model(path, header, model, allow_other_model)
     if check is not None:

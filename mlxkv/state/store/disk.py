@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ...errors import FormatVersionError, MLXKVError, SnapshotError, UnknownKindError
 from ...io import temporaries
+from ..identity import Identity
 from ..reuse import prefix_for, probe
 from ..snapshot import read, read_header, write
 from .entry import Entry
@@ -45,7 +46,7 @@ class OpenReport:
 
 
 class DiskTier:
-    def __init__(self, root: str, identity: dict, block: int, locate):
+    def __init__(self, root: str, identity: Identity, block: int, locate):
         """``locate(header) -> (key, space, chain)``: the entry id, space and block chain a
         header's entry is filed under (the store derives them from the identity)."""
         self.root = root
@@ -116,7 +117,7 @@ class DiskTier:
 
     def owns(self, header: dict) -> bool:
         """Is this snapshot of the store's identity (model config, tokenizer, scheme)?"""
-        return all(header.get(k, "") == self.identity.get(k, "") for k in IDENTITY_KEYS)
+        return self.identity.serves(header)
 
     def record(self, path: str, header: dict) -> Entry:
         """The index record of a checked file (no tensor read)."""
@@ -206,8 +207,8 @@ class DiskTier:
             model,
             verify=verify,
             slack=False,
-            config_fingerprint=self.identity.get("configFingerprint", ""),
-            tokenizer_hash=self.identity.get("tokenizerHash", ""),
+            config_fingerprint=self.identity.config_fingerprint,
+            tokenizer_hash=self.identity.tokenizer_hash,
         )
         if header["tokens"] != record.tokens:
             raise SnapshotError(f"{path} changed since the store was opened")
@@ -216,6 +217,3 @@ class DiskTier:
         record.extra["mtime"] = time.time()
         nbytes = sum(a.nbytes for a in arrays.values())
         return Entry(record.key, record.space, record.tokens, record.reuse, nbytes, header, arrays)
-
-
-IDENTITY_KEYS = ("configFingerprint", "tokenizerHash", "kvScheme")

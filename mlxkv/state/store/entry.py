@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..identity import Identity
 from ..reuse import Reuse, lend, reuse_of
 from ..snapshot import encode
 
@@ -46,7 +47,7 @@ def freeze(
     space: str,
     caches: Sequence,
     tokens: Sequence[int],
-    identity: dict,
+    identity: Identity,
     ns: str,
     checkpoint: dict | None = None,
     attachments: dict | None = None,
@@ -55,13 +56,10 @@ def freeze(
     header, tensors = encode(
         caches,
         tokens,
-        model_id=identity.get("modelId", ""),
-        config_fingerprint=identity.get("configFingerprint", ""),
-        tokenizer_hash=identity.get("tokenizerHash", ""),
-        ns=ns,
+        **identity.replace(ns=ns).keywords(),
+        kv_scheme=identity.kv_scheme,
         generation_checkpoint=checkpoint,
         attachments=attachments,
-        extra={"kvScheme": identity["kvScheme"]} if identity.get("kvScheme") else None,
     )
     arrays = {name: mx.contiguous(a) for name, a in tensors}  # copies views of larger buffers only
     mx.eval(list(arrays.values()))

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import MLXKVError
+from ..identity import Identity
 
 SEED_TAG = b"mlxkv-store-1\n"
 ID_BYTES = 16
@@ -36,16 +37,10 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return a.astype("<u4").tobytes()
 
 
-def identity_seed(identity: dict, ns: str, block: int) -> bytes:
+def identity_seed(identity: Identity, ns: str, block: int) -> bytes:
     """The 32-byte seed of one identity (``configFingerprint``, ``tokenizerHash``,
-    ``kvScheme``), namespace and block size."""
-    doc = {
-        "block": int(block),
-        "configFingerprint": identity.get("configFingerprint", ""),
-        "kvScheme": identity.get("kvScheme", ""),
-        "ns": ns,
-        "tokenizerHash": identity.get("tokenizerHash", ""),
-    }
+    ``kvScheme``: ``Identity.key_fields``), namespace and block size."""
+    doc = {"block": int(block), **identity.key_fields(ns)}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(SEED_TAG + text.encode()).digest()
 

@@ -25,6 +25,7 @@ import redis
 
 from ...errors import MLXKVError, SnapshotError
 from ...io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer, crc32, crc32_hex, dtype_name
+from ..identity import Identity
 from ..reuse import prefix_for, probe
 from ..snapshot import META_CRC_KEY, META_KEY, parse_header
 from .entry import Entry
@@ -45,7 +46,7 @@ class RedisTier:
     def __init__(
         self,
         url_or_client,
-        identity: dict,
+        identity: Identity,
         block: int,
         *,
         prefix: str = "mlxkv",
@@ -207,9 +208,8 @@ class RedisTier:
                 tensors[t["name"]] = TensorInfo(t["name"], t["dtype"], list(t["shape"]), 0, 0)
         st = SafetensorsHeader("redis manifest", {META_KEY: text, META_CRC_KEY: m["headerCrc32"]}, tensors, 0, 0)
         header = parse_header(st)
-        for k in ("configFingerprint", "tokenizerHash", "kvScheme"):
-            if header.get(k, "") != self.identity.get(k, ""):
-                raise SnapshotError("a manifest of another identity")
+        if not self.identity.serves(header):
+            raise SnapshotError("a manifest of another identity")
         sizes = {}
         for name, n, c in m["pieces"]:
             if name not in tensors or not isinstance(n, int) or not isinstance(c, int):

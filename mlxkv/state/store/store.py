@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ...errors import MLXKVError, SnapshotError, StoreCapacityError
 from ..checkpoint import read_checkpoint
-from ..identity import model_identity, tokenizer_hash
+from ..identity import Identity, model_identity
 from ..reuse import common_prefix, covers
 from .disk import DiskTier, OpenReport
 from .entry import Entry, freeze
@@ -99,7 +99,7 @@ class PromptStore:
         redis_prefix: str = "mlxkv",
         redis_ttl: int = 24 * 3600,
         piece_bytes: int = 1 << 20,
-        identity: dict | None = None,
+        identity: dict | Identity | None = None,
         verify: bool = True,
         retention: str = "lru",
     ):
@@ -141,24 +141,14 @@ class PromptStore:
         self._queue = WriteQueue(self._cond, self._run, self._done) if lower else None
 
     @staticmethod
-    def _identity(model, tokenizer, scheme, given) -> dict:
+    def _identity(model, tokenizer, scheme, given) -> Identity:
         if given is not None:
-            ident = {
-                "modelId": given.get("model_id", ""),
-                "configFingerprint": given.get("config_fingerprint", ""),
-                "tokenizerHash": given.get("tokenizer_hash", ""),
-            }
+            given = given if isinstance(given, Identity) else Identity(**given)
+        elif model is None:
+            raise MLXKVError("a PromptStore needs the model (or identity=...) its entries belong to")
         else:
-            if model is None:
-                raise MLXKVError("a PromptStore needs the model (or identity=...) its entries belong to")
-            mi = model_identity(model)
-            ident = {
-                "modelId": mi["model_id"],
-                "configFingerprint": mi["config_fingerprint"],
-                "tokenizerHash": tokenizer_hash(tokenizer) if tokenizer is not None else "",
-            }
-        ident["kvScheme"] = scheme
-        return ident
+            given = model_identity(model, tokenizer)
+        return given.replace(ns="", kv_scheme=scheme)
 
     # -- names ----------------------------------------------------------------------------
 
