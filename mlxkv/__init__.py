@@ -43,8 +43,7 @@ from .errors import (
     UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
-from .state.checkpoint import Checkpoint
-from .state.kinds import (
+from .kinds.records import (
     is_eviction_cache,
     is_plain_kv_cache,
     is_quantized_kv_cache,
@@ -53,6 +52,7 @@ from .state.kinds import (
     is_rotating_quantized_cache,
     is_turboquant_cache,
 )
+from .state.checkpoint import Checkpoint
 from .state.prompt_cache import convert_prompt_cache, read_prompt_cache
 from .state.sampler import Sampler
 from .state.session import Session, request_key, request_policy

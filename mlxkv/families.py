@@ -6,7 +6,7 @@ live cache class, its codec, its row layout, its compiled-decode slot, its schem
 the header fields its entries carry. Saving, loading, joining rows, building caches from a
 scheme and compiled decode all look the family up here; nothing else routes on a kind.
 
-The records are declared in ``mlxkv.state.kinds`` (they name classes of every layer) and
+The records are declared in ``mlxkv.kinds.records`` (they name classes of every layer) and
 registered when ``mlxkv`` is imported; this module, at the bottom of the package, only holds
 the table, so any layer may read it without importing the layers above.
 

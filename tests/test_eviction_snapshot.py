@@ -10,8 +10,8 @@ import pytest
 import mlxkv
 from mlxkv.caches.qfilters_calibration import calibrate
 from mlxkv.errors import CorruptSnapshotError, GeometryMismatchError
+from mlxkv.kinds.records import check_entry
 from mlxkv.models.seeded import build_model, prompt
-from mlxkv.state.kinds import check_entry
 
 N_TOKENS = 70
 

@@ -16,6 +16,7 @@ LAYERS = [
     ("live caches", ("mlxkv.caches",)),
     ("batched layouts", ("mlxkv.batched",)),
     ("codecs", ("mlxkv.codecs",)),
+    ("kind records", ("mlxkv.kinds",)),
     ("file I/O", ("mlxkv.io",)),
     ("state", ("mlxkv.state",)),
     ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.models.seeded", "mlxkv")),

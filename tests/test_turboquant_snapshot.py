@@ -12,9 +12,9 @@ from mlxkv import CorruptSnapshotError, TurboQuantKVCache
 from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
 from mlxkv.io.tensor_reader import TensorReader
+from mlxkv.kinds.records import check_entry
 from mlxkv.math import turboquant as tq
 from mlxkv.models.seeded import prompt
-from mlxkv.state.kinds import check_entry
 
 SLOTS = ["kIdx", "kScales", "kZeros", "vPacked", "vScales"]
 

@@ -16,8 +16,8 @@ from ..errors import CorruptSnapshotError, FormatVersionError, MLXKVError, Snaps
 from ..families import family_of_persisted
 from ..io import strict_json
 from ..io.safetensors import SafetensorsHeader, crc32_hex
+from ..kinds.records import check_entry
 from .identity import RECORDED_FIELDS
-from .kinds import check_entry
 
 FORMAT_VERSION = 2  # 2: generationCheckpoint in mlx-bun's layout (docs/format.md section 9)
 CODEC_PROVIDER = "mlxkv"

@@ -39,11 +39,11 @@ from ..families import family_of_kind, family_of_persisted, kind_of
 from ..io import mlxbun as container
 from ..io.safetensors import ITEMSIZE
 from ..io.tensor_reader import TensorReader, check_allocation
+from ..kinds.records import check_entry
 from .checkpoint import describe as describe_checkpoint
 from .checkpoint import normalized, read_checkpoint
 from .header import check_position, check_tokens
 from .identity import RECORDED_FIELDS, Identity, check_expected
-from .kinds import check_entry
 from .snapshot import Snapshot, check_for_model, decode, encode_layer
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)

@@ -38,6 +38,7 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
+from ..kinds.records import is_recurrent_cache
 from .checkpoint import normalized
 from .header import (  # noqa: F401 - the header constants are part of this module's interface
     ACCEPTED_PROVIDERS,
@@ -48,7 +49,6 @@ from .header import (  # noqa: F401 - the header constants are part of this modu
     check_header,
 )
 from .identity import Identity, check_expected, legacy_config_fingerprint, model_fingerprint, model_geometry
-from .kinds import is_recurrent_cache
 
 
 @dataclass

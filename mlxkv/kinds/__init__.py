@@ -1,0 +1,2 @@
+"""The kind table's records (``records.py``: one per cache family, registered when mlxkv is
+imported), the capability predicates read from them (``predicates.py``)."""
