@@ -43,7 +43,7 @@ from .errors import (
     UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
-from .kinds.records import (
+from .kinds.predicates import (
     is_eviction_cache,
     is_plain_kv_cache,
     is_quantized_kv_cache,

@@ -62,9 +62,13 @@ class Family:
 
     @property
     def batched_kind(self) -> str:
-        """The kind (or prefix) of this family's batched layout: ``kv:batched-`` plus the
-        live kind without its ``kv:``."""
-        return BATCHED_PREFIX + self.kind.removeprefix("kv:")
+        """The kind (or prefix) of this family's batched layout (:func:`batched_kind`)."""
+        return batched_kind(self.kind)
+
+
+def batched_kind(kind: str) -> str:
+    """The kind of a batch of ``kind`` rows: ``kv:batched-`` plus ``kind`` without its ``kv:``."""
+    return BATCHED_PREFIX + kind.removeprefix("kv:")
 
 
 _FAMILIES: list[Family] = []

@@ -68,7 +68,9 @@ class HalfStorage:
 @dataclass(frozen=True)
 class HalfRows(RowFormat):
     storage = HalfStorage()
-    serial_kind = "kv:toy-half"
+
+    def empty(self):
+        return HalfKVCache()
 
     def read(self, row):
         n = row.offset
@@ -77,7 +79,7 @@ class HalfRows(RowFormat):
         return (row.keys[..., :n, :],), (row.values[..., :n, :],), n, {}
 
     def restore(self, keys, values, offset, count, dtype, extras):
-        row = HalfKVCache()
+        row = self.empty()
         return row if keys is None else row.adopt(keys[0], values[0], offset)
 
 

@@ -14,11 +14,12 @@ from mlx_lm.models import cache as mlx_cache
 from ..caches.arrays import ArraysCache
 from ..caches.base import CacheContract
 from ..errors import CacheConfigError
+from ..families import batched_kind
 from .columns import RowOffsets, check_row
 
 
 class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
-    kind = "kv:batched-ssm"
+    kind = batched_kind(ArraysCache.kind)
 
     def __init__(self, arrays, offsets, min_reuse=None, masks=None):
         super().__init__(len(arrays))

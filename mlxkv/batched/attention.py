@@ -13,6 +13,7 @@ the buffer is full, one gather that packs the rows and adds slack.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,7 @@ from ..caches.base import CacheContract, DtypeAttribute, row_bytes
 from ..caches.reads import AttentionRead
 from ..caches.transition import Bf16FirstCache
 from ..errors import CacheConfigError, MLXKVError
+from ..families import batched_kind, kind_of
 from .bf16first import Bf16Rows
 from .columns import (
     Columns,
@@ -38,15 +40,25 @@ from .columns import (
 
 class RowFormat:
     """Base of the attention row formats: ``merge(rows)`` builds the batch of class
-    ``batch_class`` from serial caches of this format."""
+    ``batch_class`` from serial caches of this format, ``restore`` one serial cache back,
+    ``empty()`` a serial cache of this format that holds nothing."""
 
     max_size: int | None = None
     keep: int = 0
 
+    def empty(self):  # pragma: no cover - every format implements it
+        raise NotImplementedError
+
+    @cached_property
+    def serial_kind(self) -> str:
+        """The kind of the serial caches of this format: an empty one's own (the live cache
+        says its kind; the format does not repeat it)."""
+        return kind_of(self.empty())
+
     @property
     def batched_kind(self) -> str:
-        """A row layout's own kind: ``kv:batched-`` plus the serial kind's tail."""
-        return self.serial_kind.replace("kv:", "kv:batched-", 1)
+        """A row layout's own kind (``families.batched_kind`` of the serial kind)."""
+        return batched_kind(self.serial_kind)
 
     def dtype_of(self, row):
         return None

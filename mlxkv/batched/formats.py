@@ -27,10 +27,9 @@ class LinearRows(RowFormat):
 
     storage: object
 
-    @property
-    def serial_kind(self) -> str:
+    def empty(self):
         s = self.storage
-        return f"kv:quant:{s.bits}:{s.group_size}" if s.affine else "kv:plain"
+        return QuantizedKVCache(group_size=s.group_size, bits=s.bits) if s.affine else KVCache()
 
     def read(self, row):
         n = row.offset
@@ -40,12 +39,10 @@ class LinearRows(RowFormat):
         return cut(row.keys), cut(row.values), n, {}
 
     def restore(self, keys, values, offset, count, dtype, extras):
-        s = self.storage
-        if s.affine:
-            row = QuantizedKVCache(group_size=s.group_size, bits=s.bits)
-            return row if keys is None else row.adopt(keys, values, offset)
-        row = KVCache()
-        return row if keys is None else row.adopt(keys[0], values[0], offset)
+        row = self.empty()
+        if keys is None:
+            return row
+        return row.adopt(keys, values, offset) if self.storage.affine else row.adopt(keys[0], values[0], offset)
 
 
 @dataclass(frozen=True)
@@ -57,10 +54,11 @@ class RingRows(RowFormat):
     max_size: int = 0
     keep: int = 0
 
-    @property
-    def serial_kind(self) -> str:
+    def empty(self):
         s = self.storage
-        return f"kv:rotating-quant:{s.bits}:{s.group_size}" if s.affine else "kv:rotating-plain"
+        if s.affine:
+            return RotatingQuantizedKVCache(self.max_size, self.keep, group_size=s.group_size, bits=s.bits)
+        return RotatingKVCache(self.max_size, self.keep)
 
     def read(self, row):
         if row.keys is None or row.offset == 0:
@@ -69,12 +67,12 @@ class RingRows(RowFormat):
         return k, v, k[0].shape[2], {}
 
     def restore(self, keys, values, offset, count, dtype, extras):
-        s = self.storage
-        if s.affine:
-            row = RotatingQuantizedKVCache(self.max_size, self.keep, group_size=s.group_size, bits=s.bits)
-            return row if keys is None else row.adopt(keys, values, offset, count)
-        row = RotatingKVCache(self.max_size, self.keep)
-        return row if keys is None else row.adopt(keys[0], values[0], offset, count)
+        row = self.empty()
+        if keys is None:
+            return row
+        if self.storage.affine:
+            return row.adopt(keys, values, offset, count)
+        return row.adopt(keys[0], values[0], offset, count)
 
 
 @dataclass(frozen=True)
@@ -85,9 +83,8 @@ class TurboRows(RowFormat):
     storage: TurboStorage
     deferred: bool = True
 
-    @property
-    def serial_kind(self) -> str:
-        return f"kv:turboquant:{self.storage.k_bits}:{self.storage.v_bits}"
+    def empty(self):
+        return TurboQuantKVCache(self.storage.k_bits, self.storage.v_bits, self.deferred)
 
     def dtype_of(self, row):
         return row.dtype if row.storage is not None else None
@@ -100,8 +97,7 @@ class TurboRows(RowFormat):
         return tuple(live[:3]), tuple(live[3:]), n, {}
 
     def restore(self, keys, values, offset, count, dtype, extras):
-        s = self.storage
-        row = TurboQuantKVCache(s.k_bits, s.v_bits, self.deferred)
+        row = self.empty()
         if dtype is not None:
             row.dtype = dtype
         return row if keys is None else row.adopt(*keys, *values, offset=offset)

@@ -25,9 +25,9 @@ class QFiltersRows(EvictionRows):
 
     scored = True
 
-    @property
-    def serial_kind(self) -> str:
-        return f"kv:qfilters:{self.budget}:{self.n_sink}:{self.recent}"
+    def empty(self, filters=None):
+        """An empty serial cache (with ``filters``: calibrated ones)."""
+        return QFiltersKVCache(self.budget, self.n_sink, self.recent, self.sign, self.calib_tokens, filters=filters)
 
     @staticmethod
     def batch_class():
@@ -43,14 +43,7 @@ class QFiltersRows(EvictionRows):
     def restore(self, keys, values, offset, count, dtype, extras):
         calibrated, frozen = bool(extras["calibrated"][0]), bool(extras["frozen"][0])
         filt = extras["filter"] if frozen else None
-        row = QFiltersKVCache(
-            self.budget,
-            self.n_sink,
-            self.recent,
-            self.sign,
-            self.calib_tokens,
-            filters=filt if calibrated else None,
-        )
+        row = self.empty(filt if calibrated else None)
         if keys is None:
             return row
         return row.adopt(

@@ -9,9 +9,8 @@ from .eviction import BatchedEvictionCache, EvictionRows
 
 @dataclass(frozen=True)
 class TOVARows(EvictionRows):
-    @property
-    def serial_kind(self) -> str:
-        return f"kv:tova:{self.budget}:{self.n_sink}"
+    def empty(self):
+        return TOVAKVCache(self.budget, self.n_sink)
 
     @staticmethod
     def batch_class():
@@ -23,7 +22,7 @@ class TOVARows(EvictionRows):
         return (row.keys, row.positions[..., None]), (row.values,), row.keys.shape[2], {}
 
     def restore(self, keys, values, offset, count, dtype, extras):
-        row = TOVAKVCache(self.budget, self.n_sink)
+        row = self.empty()
         return row if keys is None else row.adopt(keys[0], values[0], keys[1][..., 0], offset)
 
 

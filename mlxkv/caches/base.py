@@ -33,6 +33,9 @@ class CacheContract(NamedReads):
     """
 
     minimum_reusable_offset: int = 0
+    #: a parameterized kind's stable part (``"kv:quant:"``): its family's record matches
+    #: it, and ``kind`` appends the parameters; a kind without parameters is ``kind`` itself
+    kind_prefix: str | None = None
     _masks: ForwardMasks = None
 
     @property

@@ -50,6 +50,8 @@ class QFiltersKVCache(EvictionKVCache):
     score. ``recent`` trailing rows and ``n_sink`` leading rows are never evicted.
     """
 
+    kind_prefix = "kv:qfilters:"
+
     def __init__(
         self,
         budget: int = 512,
@@ -89,7 +91,7 @@ class QFiltersKVCache(EvictionKVCache):
 
     @property
     def kind(self) -> str:
-        return f"kv:qfilters:{self.budget}:{self.n_sink}:{self.recent}"
+        return f"{self.kind_prefix}{self.budget}:{self.n_sink}:{self.recent}"
 
     @property
     def frozen(self) -> bool:

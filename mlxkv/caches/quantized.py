@@ -15,13 +15,15 @@ from .transition import Bf16FirstCache, PendingConversion
 
 
 class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
+    kind_prefix = "kv:quant:"
+
     def __init__(self, group_size: int = 64, bits: int = 8):
         check_affine(bits, group_size)
         super().__init__(group_size=group_size, bits=bits)
 
     @property
     def kind(self) -> str:
-        return f"kv:quant:{self.bits}:{self.group_size}"
+        return f"{self.kind_prefix}{self.bits}:{self.group_size}"
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
         return self.masks.causal(N, self.offset, window_size, return_array)

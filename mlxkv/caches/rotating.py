@@ -216,6 +216,8 @@ class RotatingKVCache(_Ring):
 class RotatingQuantizedKVCache(_Ring):
     """A ring of mlx-lm affine triples; ``bits`` is real (mlx-lm's quantized SDPA reads it)."""
 
+    kind_prefix = "kv:rotating-quant:"
+
     def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8):
         check_affine(bits, group_size)
         super().__init__(max_size, keep)
@@ -223,7 +225,7 @@ class RotatingQuantizedKVCache(_Ring):
 
     @property
     def kind(self) -> str:
-        return f"kv:rotating-quant:{self.bits}:{self.group_size}"
+        return f"{self.kind_prefix}{self.bits}:{self.group_size}"
 
     def _encode(self, x):
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))

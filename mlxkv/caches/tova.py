@@ -20,6 +20,8 @@ class TOVAKVCache(EvictionKVCache):
     """TOVA-adapted (key-as-query proxy): at most ``budget`` rows after every step, the first
     ``n_sink`` rows never evicted. Memoryless: the cache holds no score."""
 
+    kind_prefix = "kv:tova:"
+
     def __init__(self, budget: int = 512, n_sink: int = 4):
         check_budget(budget, n_sink, "TOVA")
         if n_sink >= budget:
@@ -30,7 +32,7 @@ class TOVAKVCache(EvictionKVCache):
 
     @property
     def kind(self) -> str:
-        return f"kv:tova:{self.budget}:{self.n_sink}"
+        return f"{self.kind_prefix}{self.budget}:{self.n_sink}"
 
     def _admit(self, keys, values, positions, n_new: int):
         self.keys, self.values, self.positions = tova_evict(keys, values, positions, self.budget, self.n_sink)

@@ -34,6 +34,7 @@ from ..errors import CacheConfigError, MLXKVError
 from ..math import turboquant as tq
 from ..math import turboquant_attention as tqa
 from .base import CacheContract, DtypeAttribute
+from .plain import KVCache
 from .reads import AttentionRead
 from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
@@ -77,6 +78,7 @@ class CodesRead:
 
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
+    kind_prefix = "kv:turboquant:"
     step = 256
     dtype = DtypeAttribute()  # the dtype dense_window decodes to (the last append's)
 
@@ -101,7 +103,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
 
     @property
     def kind(self) -> str:
-        return f"kv:turboquant:{self.k_bits}:{self.v_bits}"
+        return f"{self.kind_prefix}{self.k_bits}:{self.v_bits}"
 
     # -- storage ------------------------------------------------------------------------
 
@@ -246,9 +248,9 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     ) -> "TurboQuantKVCache":
         """Encode a plain cache's live window once; ``offset``, ``minimum_reusable_offset``
         and ``masks`` carry over and the source is consumed (its arrays are released)."""
-        if getattr(source, "kind", None) != "kv:plain":
+        if getattr(source, "kind", None) != KVCache.kind:
             raise CacheConfigError(
-                f"TurboQuantKVCache.from_cache converts a kv:plain cache, got {getattr(source, 'kind', None)!r}"
+                f"TurboQuantKVCache.from_cache converts a {KVCache.kind} cache, got {getattr(source, 'kind', None)!r}"
             )
         out = cls(k_bits, v_bits, deferred, codes=codes)
         out.masks = source.masks

@@ -1,4 +1,4 @@
-"""The kind table's records: one per cache family, and the capability predicates.
+"""The kind table's records: one per cache family.
 
 Each record is everything mlxkv knows about a family (docs/format.md lists the persisted
 kinds, their fields and slots): its live kind, persisted kind, live cache, codec, header
@@ -34,99 +34,98 @@ from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
-from ..families import COUNT, FLAG, SIGN, Family, family_of_persisted, kind_of, register_family
+from ..families import COUNT, FLAG, SIGN, Family, family_of_persisted, register_family
 
 RING_FIELDS = {"offset": COUNT, "idx": COUNT, "maxSize": COUNT, "keep": COUNT}
 AFFINE_FIELDS = {"groupSize": COUNT, "bits": COUNT}
 BUDGET_FIELDS = {"offset": COUNT, "budget": COUNT, "nSink": COUNT}
 
-FAMILIES = [
-    Family(
-        kind="kv:plain",
-        persisted="kv",
-        cache=KVCache,
-        codec=PlainCodec(),
-        fields={"offset": COUNT},
-        rows=plain_rows,
-        decode_slot=plain_decode_slot,
-        batched_slot=batched_attention_slot,
-        scheme=(PLAIN_SCHEME, plain_scheme),
-    ),
-    Family(
-        kind="kv:quant:",
-        persisted="qkv",
-        cache=QuantizedKVCache,
-        codec=AffineCodec(),
-        fields={"offset": COUNT, **AFFINE_FIELDS},
-        rows=affine_rows,
-        decode_slot=affine_decode_slot,
-        batched_slot=batched_attention_slot,
-        scheme=(AFFINE_SCHEME, affine_scheme),
-    ),
-    Family(
-        kind="kv:rotating-plain",
-        persisted="rotating",
-        cache=RotatingKVCache,
-        codec=RingCodec(),
-        fields=RING_FIELDS,
-        rows=ring_rows,
-        decode_slot=ring_decode_slot,
-        batched_slot=batched_attention_slot,
-    ),
-    Family(
-        kind="kv:rotating-quant:",
-        persisted="rotating-qkv",
-        cache=RotatingQuantizedKVCache,
-        codec=RotatingAffineCodec(),
-        fields={**RING_FIELDS, **AFFINE_FIELDS},
-        rows=affine_ring_rows,
-        decode_slot=ring_decode_slot,
-        batched_slot=batched_attention_slot,
-    ),
-    Family(
-        kind="ssm",
-        persisted="ssm",
-        cache=ArraysCache,
-        codec=ArraysCodec(),
-        fields={"offset": COUNT, "size": COUNT},
-        rows=arrays_rows,
-        decode_slot=recurrent_decode_slot,
-        batched_slot=recurrent_decode_slot,
-    ),
-    Family(
-        kind="kv:turboquant:",
-        persisted="turboquant",
-        cache=TurboQuantKVCache,
-        codec=TurboQuantCodec(),
-        fields={"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT},
-        rows=turbo_rows,
-        decode_slot=turbo_decode_slot,
-        batched_slot=batched_attention_slot,
-        scheme=(TURBO_SCHEME, turbo_scheme),
-    ),
-    Family(
-        kind="kv:tova:",
-        persisted="tova",
-        cache=TOVAKVCache,
-        codec=TOVACodec(),
-        fields=BUDGET_FIELDS,
-        rows=tova_rows,
-        decode_slot=eviction_decode_slot,
-        batched_slot=eviction_batch_slot,
-        scheme=(TOVA_SCHEME, tova_scheme),
-    ),
-    Family(
-        kind="kv:qfilters:",
-        persisted="qfilters",
-        cache=QFiltersKVCache,
-        codec=QFiltersCodec(),
-        fields={**BUDGET_FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG},
-        rows=qfilters_rows,
-        decode_slot=eviction_decode_slot,
-        batched_slot=eviction_batch_slot,
-        scheme=(QFILTERS_SCHEME, qfilters_scheme),
-    ),
-]
+PLAIN = Family(
+    kind=KVCache.kind,
+    persisted="kv",
+    cache=KVCache,
+    codec=PlainCodec(),
+    fields={"offset": COUNT},
+    rows=plain_rows,
+    decode_slot=plain_decode_slot,
+    batched_slot=batched_attention_slot,
+    scheme=(PLAIN_SCHEME, plain_scheme),
+)
+AFFINE = Family(
+    kind=QuantizedKVCache.kind_prefix,
+    persisted="qkv",
+    cache=QuantizedKVCache,
+    codec=AffineCodec(),
+    fields={"offset": COUNT, **AFFINE_FIELDS},
+    rows=affine_rows,
+    decode_slot=affine_decode_slot,
+    batched_slot=batched_attention_slot,
+    scheme=(AFFINE_SCHEME, affine_scheme),
+)
+RING = Family(
+    kind=RotatingKVCache.kind,
+    persisted="rotating",
+    cache=RotatingKVCache,
+    codec=RingCodec(),
+    fields=RING_FIELDS,
+    rows=ring_rows,
+    decode_slot=ring_decode_slot,
+    batched_slot=batched_attention_slot,
+)
+AFFINE_RING = Family(
+    kind=RotatingQuantizedKVCache.kind_prefix,
+    persisted="rotating-qkv",
+    cache=RotatingQuantizedKVCache,
+    codec=RotatingAffineCodec(),
+    fields={**RING_FIELDS, **AFFINE_FIELDS},
+    rows=affine_ring_rows,
+    decode_slot=ring_decode_slot,
+    batched_slot=batched_attention_slot,
+)
+RECURRENT = Family(
+    kind=ArraysCache.kind,
+    persisted="ssm",
+    cache=ArraysCache,
+    codec=ArraysCodec(),
+    fields={"offset": COUNT, "size": COUNT},
+    rows=arrays_rows,
+    decode_slot=recurrent_decode_slot,
+    batched_slot=recurrent_decode_slot,
+)
+TURBO = Family(
+    kind=TurboQuantKVCache.kind_prefix,
+    persisted="turboquant",
+    cache=TurboQuantKVCache,
+    codec=TurboQuantCodec(),
+    fields={"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT},
+    rows=turbo_rows,
+    decode_slot=turbo_decode_slot,
+    batched_slot=batched_attention_slot,
+    scheme=(TURBO_SCHEME, turbo_scheme),
+)
+TOVA = Family(
+    kind=TOVAKVCache.kind_prefix,
+    persisted="tova",
+    cache=TOVAKVCache,
+    codec=TOVACodec(),
+    fields=BUDGET_FIELDS,
+    rows=tova_rows,
+    decode_slot=eviction_decode_slot,
+    batched_slot=eviction_batch_slot,
+    scheme=(TOVA_SCHEME, tova_scheme),
+)
+QFILTERS = Family(
+    kind=QFiltersKVCache.kind_prefix,
+    persisted="qfilters",
+    cache=QFiltersKVCache,
+    codec=QFiltersCodec(),
+    fields={**BUDGET_FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG},
+    rows=qfilters_rows,
+    decode_slot=eviction_decode_slot,
+    batched_slot=eviction_batch_slot,
+    scheme=(QFILTERS_SCHEME, qfilters_scheme),
+)
+FAMILIES = [PLAIN, AFFINE, RING, AFFINE_RING, RECURRENT, TURBO, TOVA, QFILTERS]
 
 for _family in FAMILIES:
     register_family(_family)
@@ -139,35 +138,3 @@ def check_entry(entry: dict, shapes: dict):
     check_fields(entry, family.fields)
     family.codec.check(entry, shapes)
     return family
-
-
-# -- capability predicates: string compares only --------------------------------------
-
-
-def is_plain_kv_cache(cache) -> bool:
-    return kind_of(cache) == "kv:plain"
-
-
-def is_quantized_kv_cache(cache) -> bool:
-    return kind_of(cache).startswith("kv:quant:")
-
-
-def is_rotating_plain_cache(cache) -> bool:
-    return kind_of(cache) == "kv:rotating-plain"
-
-
-def is_rotating_quantized_cache(cache) -> bool:
-    return kind_of(cache).startswith("kv:rotating-quant:")
-
-
-def is_turboquant_cache(cache) -> bool:
-    return kind_of(cache).startswith("kv:turboquant:")
-
-
-def is_recurrent_cache(cache) -> bool:
-    return kind_of(cache) == "ssm"
-
-
-def is_eviction_cache(cache) -> bool:
-    k = kind_of(cache)
-    return k.startswith("kv:tova:") or k.startswith("kv:qfilters:")

@@ -38,7 +38,7 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
-from ..kinds.records import is_recurrent_cache
+from ..kinds.predicates import is_recurrent_cache
 from .checkpoint import normalized
 from .header import (  # noqa: F401 - the header constants are part of this module's interface
     ACCEPTED_PROVIDERS,
