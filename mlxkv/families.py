@@ -1,10 +1,11 @@
 """The kind table: one record per cache family, read by every dispatch on a kind.
 
 A family names its live ``kind`` (exact, or a prefix ending in ``:`` for parameterized kinds
-such as ``kv:quant:<bits>:<group>``), the persisted kind written in snapshot headers, its
-live cache class, its codec, its row layout, its compiled-decode slot, its scheme parser and
-the header fields its entries carry. Saving, loading, joining rows, building caches from a
-scheme and compiled decode all look the family up here; nothing else routes on a kind.
+such as ``kv:quant:<bits>:<group>``), its codec (which declares the persisted kind written in
+headers, the header fields and tensor slots of an entry, and mlx-bun's form of it), its row
+layout, its compiled-decode slots and its scheme parser. Saving, loading, joining rows,
+building caches from a scheme and compiled decode all look the family up here; nothing else
+routes on a kind.
 
 The records are declared in ``mlxkv.kinds.records`` (they name classes of every layer) and
 registered when ``mlxkv`` is imported; this module, at the bottom of the package, only holds
@@ -15,7 +16,7 @@ An unknown kind is a bug, not a route: every lookup raises
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import UnknownKindError, UnsupportedKindError
 
@@ -28,13 +29,11 @@ BATCHED_PREFIX = "kv:batched-"
 class Family:
     """One cache family.
 
-    - ``kind``: the live kind, exact (``"kv:plain"``) or a prefix ending in ``:``;
-    - ``persisted``: the short kind written in snapshot headers (``"kv"``, ``"qkv"``, ...);
-    - ``cache``: the live cache class;
-    - ``codec``: ``encode(cache) -> (fields, slots)``, ``check(entry, shapes)``,
-      ``decode(entry, tensors)``, ``capacity(entry)``, ``geometry(entry, shapes)``;
-    - ``fields``: the header fields of an entry besides ``kind``, ``tensors`` and
-      ``minimumReusableOffset``, each with its type (:data:`COUNT`, :data:`SIGN`, :data:`FLAG`);
+    - ``kind``: the live kind, exact (``"kv:plain"``) or a prefix ending in ``:`` (the live
+      cache's ``kind`` or ``kind_prefix``);
+    - ``codec``: the family's codec (``mlxkv.codecs.base.Codec``): its ``persisted`` kind,
+      ``fields``, ``slots`` and ``bun`` form, and ``encode``, ``check``, ``decode``,
+      ``prefix``, ``trimmable``, ``capacity``, ``geometry``;
     - ``rows``: ``rows(serial_cache) -> row format`` whose ``merge(rows)`` builds the batched
       layout; None when rows of this family cannot share a batch;
     - ``decode_slot``: ``decode_slot(cache) -> DecodeSlot`` for one compiled decode step, or
@@ -47,14 +46,22 @@ class Family:
     """
 
     kind: str
-    persisted: str
-    cache: type
     codec: object
-    fields: Mapping[str, str] = field(default_factory=dict)
     rows: Callable | None = None
     decode_slot: Callable | None = None
     batched_slot: Callable | None = None
     scheme: tuple[str, Callable] | None = None
+
+    @property
+    def persisted(self) -> str:
+        """The kind written in snapshot headers (``"kv"``, ``"qkv"``, ...): the codec's."""
+        return self.codec.persisted
+
+    @property
+    def fields(self) -> Mapping[str, str]:
+        """The header fields of an entry besides ``kind``, ``tensors`` and
+        ``minimumReusableOffset``, each with its type: the codec's."""
+        return self.codec.fields
 
     def matches(self, kind: str) -> bool:
         """Is ``kind`` this family's live kind?"""

@@ -1,6 +1,7 @@
 """The kind table: a family declared in this file alone (a live cache, a codec, one record)
-builds from a scheme, generates, saves, loads, joins a batch, comes back out of it and
-runs a compiled decode step; and every registered family's record agrees with its codec."""
+builds from a scheme, generates, saves and loads (as mlxkv and in its mlx-bun form), joins a
+batch, comes back out of it and runs a compiled decode step; and every registered family's
+codec declares what it writes."""
 
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import mlxkv
 from mlxkv.batched.attention import RowFormat
 from mlxkv.caches.decode_slot import DecodeSlot, Phase, WindowLayout
 from mlxkv.caches.scheme import Scheme
-from mlxkv.codecs.base import Codec, expect_slots, same_prefix
+from mlxkv.codecs.base import BunForm, Codec, expect_slots, same_prefix
 from mlxkv.errors import CorruptSnapshotError
 from mlxkv.families import COUNT, family_of_kind, family_of_persisted
 from mlxkv.models.seeded import prompt
@@ -32,13 +33,18 @@ class HalfKVCache(mlxkv.KVCache):
 
 
 class HalfCodec(Codec):
+    persisted = "toy-half"
+    fields = {"offset": COUNT}
+    slots = ("keys", "values")
+    bun = BunForm()  # laid out as mlx-bun lays out kv
+
     def encode(self, cache):
         n = cache.offset
         return {"offset": n}, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
 
     def check(self, entry, shapes):
-        expect_slots(entry, shapes, ("keys", "values"))
-        same_prefix(entry, shapes, ("keys", "values"))
+        expect_slots(entry, shapes, self.slots)
+        same_prefix(entry, shapes, self.slots)
         if shapes["keys"][2] != entry["offset"]:
             raise CorruptSnapshotError("toy-half entry: rows != offset")
 
@@ -108,11 +114,8 @@ def half_decode_slot(cache):
 
 
 TOY = mlxkv.Family(
-    kind="kv:toy-half",
-    persisted="toy-half",
-    cache=HalfKVCache,
+    kind=HalfKVCache.kind,
     codec=HalfCodec(),
-    fields={"offset": COUNT},
     rows=lambda row: HalfRows(),
     decode_slot=half_decode_slot,
     scheme=(r"toy-half", lambda m, options: Scheme(m.string, lambda i, o: HalfKVCache(), True)),
@@ -148,6 +151,15 @@ def test_a_family_declared_in_one_record_saves_loads_joins_and_decodes(toy, mode
     assert all(isinstance(c, HalfKVCache) and c.keys.dtype == mx.float16 for c in snap.caches)
     assert greedy(model, snap.caches, first, 6)[0] == refs[0][1]
 
+    # its mlx-bun form: written as the codec's bun form says, read back through the same codec
+    bun = str(tmp_path / "toy.mlxkv")
+    bun_header = mlxkv.save(bun, caches, prompts[0], format="mlx-bun", fsync=False)
+    assert [sorted(e) for e in bun_header["caches"]] == [["kind", "offset", "tensors"]] * len(caches)
+    assert mlxkv.read_header(bun)["caches"][0]["kind"] == "toy-half"
+    snap = mlxkv.load(bun, model=model)
+    assert all(isinstance(c, HalfKVCache) for c in snap.caches)
+    assert greedy(model, snap.caches, first, 6)[0] == refs[0][1]
+
     # rows join one batch and decode as each alone; extracted rows are the serial caches
     rows = []
     for p in prompts:
@@ -181,8 +193,9 @@ def test_a_family_declared_in_one_record_saves_loads_joins_and_decodes(toy, mode
 def test_the_table_refuses_overlapping_families(toy):
     with pytest.raises(ValueError, match="registered already"):
         mlxkv.register_family(TOY)
+    other = type("OtherCodec", (HalfCodec,), {"persisted": "other"})()
     with pytest.raises(ValueError, match="overlaps"):
-        mlxkv.register_family(mlxkv.Family("kv:toy-half", "other", HalfKVCache, HalfCodec()))
+        mlxkv.register_family(mlxkv.Family(HalfKVCache.kind, other))
 
 
 def test_unregistered_family_is_unknown_again(models, tmp_path):
@@ -214,7 +227,7 @@ SAMPLES = {
 
 
 @pytest.mark.parametrize("persisted", list(SAMPLES))
-def test_record_fields_are_what_the_codec_writes(persisted, models):
+def test_the_codec_declares_what_it_writes(persisted, models):
     arch, scheme, options = SAMPLES[persisted]
     model = models(arch)
     caches = mlxkv.make_cache(model, scheme, **options)
@@ -223,8 +236,13 @@ def test_record_fields_are_what_the_codec_writes(persisted, models):
     family = family_of_persisted(persisted)
     cache = next(c for c in caches if family_of_kind(c.kind) is family)
     cache = getattr(cache, "inner", cache)
-    fields, slots = family.codec.encode(cache)
-    assert list(fields) == list(family.fields)
-    assert isinstance(cache, family.cache)
-    assert all(isinstance(a, mx.array) for _, a in slots)
-    assert np.all([name for name, _ in slots])
+    codec = family.codec
+    fields, slots = codec.encode(cache)
+    assert list(fields) == list(codec.fields) == list(family.fields)
+    names = [name for name, _ in slots]
+    assert all(isinstance(a, mx.array) for _, a in slots) and np.all(names)
+    if codec.slots:  # the declared order, optional slots left out
+        assert names == [n for n in codec.slots if n in names]
+    if codec.bun is not None:  # mlx-bun's form names the codec's own fields and slots
+        assert set(codec.bun.fields(codec)) | set(codec.bun.implied) == set(codec.fields)
+        assert codec.bun.slots is None or not codec.slots  # a bun form names slots only where the codec does not

@@ -39,8 +39,6 @@ from .reads import AttentionRead
 from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
 
-SLOTS = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
-
 
 def unrotate_output(out: mx.array) -> mx.array:
     """The deferred read's ``finish``: attention output back from the rotated value domain."""

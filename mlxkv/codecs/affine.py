@@ -1,13 +1,13 @@
 """``qkv`` and ``rotating-qkv``: mlx-lm's affine triples, keys then values."""
 
-from ..caches.quantized import QuantizedKVCache
-from ..caches.rotating import RotatingQuantizedKVCache
 from ..errors import CorruptSnapshotError
+from ..families import COUNT
 from ..math.affine import AFFINE_BITS, AFFINE_GROUPS
-from .base import Codec, expect_slots, same_prefix
-from .ring import check_ring
+from . import ring
+from .base import BunForm, Codec, expect_slots, same_prefix
 
 SLOTS = ("kPacked", "kScales", "kBiases", "vPacked", "vScales", "vBiases")
+FIELDS = {"groupSize": COUNT, "bits": COUNT}
 
 
 def affine_slots(keys, values, n=None):
@@ -37,6 +37,11 @@ def affine_geometry(shapes, bits):
 
 
 class AffineCodec(Codec):
+    persisted = "qkv"
+    fields = {"offset": COUNT, **FIELDS}
+    slots = SLOTS
+    bun = BunForm()
+
     def encode(self, cache):
         n = cache.offset
         fields = {"offset": n, "groupSize": cache.group_size, "bits": cache.bits}
@@ -50,6 +55,8 @@ class AffineCodec(Codec):
             )
 
     def decode(self, entry, t):
+        from ..caches.quantized import QuantizedKVCache
+
         c = QuantizedKVCache(group_size=entry["groupSize"], bits=entry["bits"])
         k = tuple(t[s] for s in SLOTS[:3])
         v = tuple(t[s] for s in SLOTS[3:])
@@ -60,6 +67,11 @@ class AffineCodec(Codec):
 
 
 class RotatingAffineCodec(Codec):
+    persisted = "rotating-qkv"
+    fields = {**ring.FIELDS, **FIELDS}
+    slots = SLOTS
+    bun = ring.BUN_RING
+
     def encode(self, cache):
         n = min(cache.offset, cache._rows())
         fields = {
@@ -74,9 +86,11 @@ class RotatingAffineCodec(Codec):
 
     def check(self, entry, shapes):
         check_affine_entry(entry, shapes)
-        check_ring(entry, shapes["kPacked"][2])
+        ring.check_ring(entry, shapes["kPacked"][2])
 
     def decode(self, entry, t):
+        from ..caches.rotating import RotatingQuantizedKVCache
+
         c = RotatingQuantizedKVCache(entry["maxSize"], entry["keep"], entry["groupSize"], entry["bits"])
         k = tuple(t[s] for s in SLOTS[:3])
         v = tuple(t[s] for s in SLOTS[3:])

@@ -2,9 +2,9 @@
 
 import re
 
-from ..caches.arrays import ArraysCache
 from ..errors import CorruptSnapshotError, SnapshotError
-from .base import Codec
+from ..families import COUNT
+from .base import BunForm, Codec
 
 #: state arrays one ``ssm`` entry holds at most (mlx-lm's recurrent layers use 1 or 2)
 MAX_SIZE = 256
@@ -12,6 +12,11 @@ _INDEX = re.compile(r"0|[1-9][0-9]{0,2}")  # decimal, no sign, no leading zero
 
 
 class ArraysCodec(Codec):
+    """Slots ``"0"`` .. ``str(size - 1)``, one per state array present."""
+
+    persisted = "ssm"
+    fields = {"offset": COUNT, "size": COUNT}
+    bun = BunForm(implied={"size": 2}, slots=("0", "1"))  # mlx-bun's [conv, recurrent]
     positional = False
 
     def encode(self, cache):
@@ -29,5 +34,7 @@ class ArraysCodec(Codec):
             raise CorruptSnapshotError(f"ssm entry: slots {names} are not increasing indices below size={size}")
 
     def decode(self, entry, t):
+        from ..caches.arrays import ArraysCache
+
         arrays = [t.get(str(i)) for i in range(entry["size"])]
         return ArraysCache(entry["size"]).adopt(arrays, entry["offset"])

@@ -1,13 +1,16 @@
 """The codec interface: how one persisted kind turns into header fields and tensor slots.
 
-A codec knows a live cache class and its slot order; it knows nothing of files. The state
-layer asks it to ``encode`` a cache into ``(fields, slots)`` and, after checking the file,
-to ``check`` a header entry (before any tensor is read) and ``decode`` the tensors back.
-Which codec serves which kind, and the type of every header field, is the kind table's
-(``mlxkv.families``); ``check_fields`` applies those types before any codec looks.
+A codec declares what an entry of its persisted kind holds: the kind (``persisted``), its
+header fields with their types (``fields``), its tensor slots in order (``slots``) and, when
+mlx-bun has a codec for the kind, the entry as mlx-bun lays it out (``bun``, a
+:class:`BunForm`). The kind table and the file formats read these; nothing restates them.
+It knows nothing of files: the formats ask it to ``encode`` a cache into ``(fields, slots)``
+and, after checking the file, to ``check`` a header entry (before any tensor is read) and
+``decode`` the tensors back. ``check_fields`` applies the field types before any codec looks.
 """
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -33,7 +36,42 @@ def check_fields(entry: dict, fields: Mapping[str, str]) -> None:
             )
 
 
+@dataclass(frozen=True)
+class BunForm:
+    """How mlx-bun's codec table (``mlx-cache-v3``, docs/mlx-bun.md section 4.3) writes an
+    entry of a codec's kind. Its integer fields are the codec's ``fields`` without
+    ``implied``, in the same order; its tensors are the codec's ``slots`` (or ``slots``)."""
+
+    #: the codec's fields mlx-bun's entry lacks, with the value they always have for it
+    implied: Mapping[str, int] = field(default_factory=dict)
+    #: the mlxkv slot names of mlx-bun's tensors, in order, where they are not the codec's
+    slots: tuple[str, ...] | None = None
+    #: the tensors are the whole ring as laid out, its unwritten tail included
+    ring: bool = False
+    #: an entry without ``minimumReusableOffset`` is reusable at its full offset only (an
+    #: early TurboQuant file), so its writer always writes the field
+    floor_at_offset: bool = False
+
+    def fields(self, codec: "Codec") -> tuple[str, ...]:
+        """mlx-bun's integer fields before ``tensors``, in emission order."""
+        return tuple(f for f in codec.fields if f not in self.implied)
+
+    def slot_names(self, codec: "Codec") -> tuple[str, ...]:
+        return self.slots if self.slots is not None else codec.slots
+
+
 class Codec:
+    #: the kind written in header entries (``"kv"``, ``"qkv"``, ...): the kind table's key
+    persisted: str = ""
+    #: the header fields of an entry besides ``kind``, ``tensors`` and
+    #: ``minimumReusableOffset``, in the order ``encode`` returns them, each with its type
+    #: (:data:`~mlxkv.families.COUNT`, ``SIGN``, ``FLAG``)
+    fields: Mapping[str, str] = {}
+    #: the tensor slots of an entry, in order (an entry may omit the optional ones its
+    #: ``check`` names); empty where the codec names its slots per entry
+    slots: tuple[str, ...] = ()
+    #: the entry as mlx-bun writes it, or None: mlx-bun has no codec for the kind
+    bun: BunForm | None = None
     #: the entry's ``offset`` counts the snapshot's tokens (every attention kind); recurrent
     #: state advances by what its model reports, so its codec says False
     positional: bool = True

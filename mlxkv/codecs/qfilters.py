@@ -8,8 +8,9 @@ calibrated filter broadcast over B; absent while the fallback has not frozen). W
 filter, T == min(offset, budget); without, T == offset < calibTokens.
 """
 
-from ..caches.qfilters import QFiltersKVCache
 from ..errors import CorruptSnapshotError
+from ..families import COUNT, FLAG, SIGN
+from . import tova
 from .base import Codec, expect_slots
 from .tova import check_budget_fields, check_positions, check_rows, slot_dtypes
 
@@ -17,6 +18,10 @@ SLOTS = ("keys", "values", "positions", "scores", "filter")
 
 
 class QFiltersCodec(Codec):
+    persisted = "qfilters"
+    fields = {**tova.FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG}
+    slots = SLOTS
+
     def encode(self, cache):
         fields = {
             "offset": cache.offset,
@@ -72,6 +77,8 @@ class QFiltersCodec(Codec):
                 )
 
     def decode(self, entry, t):
+        from ..caches.qfilters import QFiltersKVCache
+
         check_positions(entry, t["positions"])
         cache = QFiltersKVCache(entry["budget"], entry["nSink"], entry["recent"], entry["sign"], entry["calibTokens"])
         return cache.adopt(

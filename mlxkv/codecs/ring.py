@@ -1,10 +1,12 @@
 """``rotating``: the whole ring as laid out, with its write index."""
 
-from ..caches.rotating import RotatingKVCache
 from ..errors import CorruptSnapshotError
-from .base import Codec, expect_slots, same_prefix
+from ..families import COUNT
+from .base import BunForm, Codec, expect_slots, same_prefix
 
-SLOTS = ("keys", "values")
+FIELDS = {"offset": COUNT, "idx": COUNT, "maxSize": COUNT, "keep": COUNT}
+#: mlx-bun's rings are mlx-lm's with keep=0, persisted whole
+BUN_RING = BunForm(implied={"keep": 0}, ring=True)
 
 
 def check_ring(entry, rows):
@@ -17,17 +19,24 @@ def check_ring(entry, rows):
 
 
 class RingCodec(Codec):
+    persisted = "rotating"
+    fields = FIELDS
+    slots = ("keys", "values")
+    bun = BUN_RING
+
     def encode(self, cache):
         n = min(cache.offset, cache._rows())  # rows past offset are unwritten slack
         fields = {"offset": cache.offset, "idx": cache._idx, "maxSize": cache.max_size, "keep": cache.keep}
         return fields, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
 
     def check(self, entry, shapes):
-        expect_slots(entry, shapes, SLOTS)
-        same_prefix(entry, shapes, SLOTS)
+        expect_slots(entry, shapes, self.slots)
+        same_prefix(entry, shapes, self.slots)
         check_ring(entry, shapes["keys"][2])
 
     def decode(self, entry, t):
+        from ..caches.rotating import RotatingKVCache
+
         c = RotatingKVCache(entry["maxSize"], entry["keep"])
         return c.adopt(t["keys"], t["values"], entry["offset"], entry["idx"])
 

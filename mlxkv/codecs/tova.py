@@ -8,11 +8,12 @@ step, so T == min(offset, budget). Restores position-exact.
 
 import mlx.core as mx
 
-from ..caches.tova import TOVAKVCache
 from ..errors import CorruptSnapshotError
+from ..families import COUNT
 from .base import Codec, expect_slots, same_prefix
 
 SLOTS = ("keys", "values", "positions")
+FIELDS = {"offset": COUNT, "budget": COUNT, "nSink": COUNT}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
@@ -71,6 +72,10 @@ def check_positions(entry: dict, positions: mx.array) -> None:
 
 
 class TOVACodec(Codec):
+    persisted = "tova"
+    fields = FIELDS
+    slots = SLOTS
+
     def encode(self, cache):
         fields = {"offset": cache.offset, "budget": cache.budget, "nSink": cache.n_sink}
         return fields, [("keys", cache.keys), ("values", cache.values), ("positions", cache.positions)]
@@ -86,6 +91,8 @@ class TOVACodec(Codec):
             )
 
     def decode(self, entry, t):
+        from ..caches.tova import TOVAKVCache
+
         check_positions(entry, t["positions"])
         cache = TOVAKVCache(entry["budget"], entry["nSink"])
         return cache.adopt(t["keys"], t["values"], t["positions"], entry["offset"])

@@ -19,10 +19,12 @@ or widths inconsistent with headDim and the bits, before any tensor is read. The
 (deferred named reads).
 """
 
-from ..caches.turboquant import SLOTS, TurboQuantKVCache
 from ..errors import CacheConfigError, CorruptSnapshotError
+from ..families import COUNT
 from ..math import turboquant as tq
-from .base import Codec, expect_slots, same_prefix
+from .base import BunForm, Codec, expect_slots, same_prefix
+
+SLOTS = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
 
 
 def slot_layout(head_dim: int, k_bits: int, v_bits: int):
@@ -38,6 +40,11 @@ def slot_layout(head_dim: int, k_bits: int, v_bits: int):
 
 
 class TurboQuantCodec(Codec):
+    persisted = "turboquant"
+    fields = {"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT}
+    slots = SLOTS
+    bun = BunForm(floor_at_offset=True)
+
     def encode(self, cache):
         n = cache.offset
         fields = {"offset": n, "kBits": cache.k_bits, "vBits": cache.v_bits, "headDim": cache.head_dim}
@@ -71,6 +78,8 @@ class TurboQuantCodec(Codec):
                 raise CorruptSnapshotError(f"{kind} entry: slot {slot} has dtype {dtypes.get(slot)}, expected {dtype}")
 
     def decode(self, entry, t):
+        from ..caches.turboquant import TurboQuantKVCache
+
         c = TurboQuantKVCache(entry["kBits"], entry["vBits"], head_dim=entry["headDim"])
         return c.adopt(*(t[s] for s in SLOTS), offset=entry["offset"])
 

@@ -1,9 +1,10 @@
 """The kind table's records: one per cache family.
 
-Each record is everything mlxkv knows about a family (docs/format.md lists the persisted
-kinds, their fields and slots): its live kind, persisted kind, live cache, codec, header
-fields, row layout, compiled-decode slot and scheme parser. Adding a family is one live
-cache module, one codec module and one record here (or ``register_family`` from user code).
+Each record joins what the layers below know of a family: its live kind (the live cache
+says it), its codec (which declares the persisted kind, the header fields and tensor slots
+of an entry and mlx-bun's form of it; docs/format.md lists them), its row layout, its
+compiled-decode slots and its scheme parser. Adding a family is one live cache module, one
+codec module and one record here (or ``register_family`` from user code).
 """
 
 from ..batched.arrays import arrays_rows
@@ -34,18 +35,11 @@ from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
-from ..families import COUNT, FLAG, SIGN, Family, family_of_persisted, register_family
-
-RING_FIELDS = {"offset": COUNT, "idx": COUNT, "maxSize": COUNT, "keep": COUNT}
-AFFINE_FIELDS = {"groupSize": COUNT, "bits": COUNT}
-BUDGET_FIELDS = {"offset": COUNT, "budget": COUNT, "nSink": COUNT}
+from ..families import Family, family_of_persisted, register_family
 
 PLAIN = Family(
     kind=KVCache.kind,
-    persisted="kv",
-    cache=KVCache,
     codec=PlainCodec(),
-    fields={"offset": COUNT},
     rows=plain_rows,
     decode_slot=plain_decode_slot,
     batched_slot=batched_attention_slot,
@@ -53,10 +47,7 @@ PLAIN = Family(
 )
 AFFINE = Family(
     kind=QuantizedKVCache.kind_prefix,
-    persisted="qkv",
-    cache=QuantizedKVCache,
     codec=AffineCodec(),
-    fields={"offset": COUNT, **AFFINE_FIELDS},
     rows=affine_rows,
     decode_slot=affine_decode_slot,
     batched_slot=batched_attention_slot,
@@ -64,40 +55,28 @@ AFFINE = Family(
 )
 RING = Family(
     kind=RotatingKVCache.kind,
-    persisted="rotating",
-    cache=RotatingKVCache,
     codec=RingCodec(),
-    fields=RING_FIELDS,
     rows=ring_rows,
     decode_slot=ring_decode_slot,
     batched_slot=batched_attention_slot,
 )
 AFFINE_RING = Family(
     kind=RotatingQuantizedKVCache.kind_prefix,
-    persisted="rotating-qkv",
-    cache=RotatingQuantizedKVCache,
     codec=RotatingAffineCodec(),
-    fields={**RING_FIELDS, **AFFINE_FIELDS},
     rows=affine_ring_rows,
     decode_slot=ring_decode_slot,
     batched_slot=batched_attention_slot,
 )
 RECURRENT = Family(
     kind=ArraysCache.kind,
-    persisted="ssm",
-    cache=ArraysCache,
     codec=ArraysCodec(),
-    fields={"offset": COUNT, "size": COUNT},
     rows=arrays_rows,
     decode_slot=recurrent_decode_slot,
     batched_slot=recurrent_decode_slot,
 )
 TURBO = Family(
     kind=TurboQuantKVCache.kind_prefix,
-    persisted="turboquant",
-    cache=TurboQuantKVCache,
     codec=TurboQuantCodec(),
-    fields={"offset": COUNT, "kBits": COUNT, "vBits": COUNT, "headDim": COUNT},
     rows=turbo_rows,
     decode_slot=turbo_decode_slot,
     batched_slot=batched_attention_slot,
@@ -105,10 +84,7 @@ TURBO = Family(
 )
 TOVA = Family(
     kind=TOVAKVCache.kind_prefix,
-    persisted="tova",
-    cache=TOVAKVCache,
     codec=TOVACodec(),
-    fields=BUDGET_FIELDS,
     rows=tova_rows,
     decode_slot=eviction_decode_slot,
     batched_slot=eviction_batch_slot,
@@ -116,10 +92,7 @@ TOVA = Family(
 )
 QFILTERS = Family(
     kind=QFiltersKVCache.kind_prefix,
-    persisted="qfilters",
-    cache=QFiltersKVCache,
     codec=QFiltersCodec(),
-    fields={**BUDGET_FIELDS, "recent": COUNT, "sign": SIGN, "calibTokens": COUNT, "calibrated": FLAG},
     rows=qfilters_rows,
     decode_slot=eviction_decode_slot,
     batched_slot=eviction_batch_slot,

@@ -27,15 +27,13 @@ import mlx.core as mx
 
 from ..caches.transition import Bf16FirstCache
 from ..checks import INT32_MAX, is_count32, is_int
-from ..codecs.affine import SLOTS as AFFINE_SLOTS
-from ..codecs.turboquant import SLOTS as TURBO_SLOTS
 from ..errors import (
     CorruptSnapshotError,
     EmptyCacheError,
     SnapshotError,
     UnsupportedKindError,
 )
-from ..families import family_of_kind, family_of_persisted, kind_of
+from ..families import families, family_of_kind, family_of_persisted, kind_of
 from ..io import mlxbun as container
 from ..io.safetensors import ITEMSIZE
 from ..io.tensor_reader import TensorReader, check_allocation
@@ -48,18 +46,9 @@ from .snapshot import Snapshot, check_for_model, decode, encode_layer
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
-#: mlx-bun kind -> (its int fields before ``tensors``, in emission order; mlxkv slot names)
-KINDS = {
-    "kv": (("offset",), ("keys", "values")),
-    "rotating": (("offset", "idx", "maxSize"), ("keys", "values")),
-    "qkv": (("offset", "groupSize", "bits"), AFFINE_SLOTS),
-    "rotating-qkv": (("offset", "idx", "maxSize", "groupSize", "bits"), AFFINE_SLOTS),
-    "ssm": (("offset",), ("0", "1")),
-    "turboquant": (("offset", "kBits", "vBits", "headDim"), TURBO_SLOTS),
-}
-RINGS = ("rotating", "rotating-qkv")
-#: mlx-bun kinds mlxkv has no cache for
-REFUSED = {
+#: the kinds of mlx-bun's codec table that no mlxkv family has (the others are the families
+#: whose codec has a ``bun`` form)
+NO_MLXKV_FAMILY = {
     "paged": "a paged block pool (mlxkv has no paged cache; extract rows on the mlx-bun side first)",
     "mla": "GLM's compressed MLA cache (mlxkv has no MLA cache)",
     "mla-dsa": "GLM's compressed MLA cache with DSA state (mlxkv has no MLA cache)",
@@ -113,20 +102,28 @@ def _corrupt(where: str, why: str):
     raise CorruptSnapshotError(f"{where}: {why}")
 
 
+def bun_codecs() -> dict:
+    """mlx-bun kind -> the codec of the mlxkv family that has a ``bun`` form for it."""
+    return {f.persisted: f.codec for f in families() if f.codec.bun is not None}
+
+
 def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Layer:
     """The mlxkv entry of mlx-bun entry ``i`` (step 12 of docs/mlx-bun.md section 8)."""
     kind = raw.get("kind")
     if type(kind) is not str:
         _corrupt(where, f"cache entry {i}: kind {str(kind)[:40]!r} is not a string")
-    if kind in REFUSED:
-        raise UnsupportedKindError(kind, f"{where}: cache entry {i} is mlx-bun kind {kind!r}, {REFUSED[kind]}")
-    if kind not in KINDS:
+    if kind in NO_MLXKV_FAMILY:
+        raise UnsupportedKindError(kind, f"{where}: cache entry {i} is mlx-bun kind {kind!r}, {NO_MLXKV_FAMILY[kind]}")
+    codecs = bun_codecs()
+    if kind not in codecs:
         raise UnsupportedKindError(
             kind,
             f"{where}: cache entry {i} has kind {kind[:40]!r}, which mlx-bun's codec table (mlx-cache-v3) "
-            f"does not have; mlxkv reads mlx-bun kinds {', '.join(KINDS)}",
+            f"does not have; mlxkv reads mlx-bun kinds {', '.join(codecs)}",
         )
-    fields, names = KINDS[kind]
+    codec = codecs[kind]
+    form = codec.bun
+    fields, names = form.fields(codec), form.slot_names(codec)
     allowed = {"kind", *fields, "tensors", "minimumReusableOffset"}
     extra, missing = set(raw) - allowed, set(fields) - set(raw)
     if extra or missing:
@@ -144,23 +141,19 @@ def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Lay
     offset = raw["offset"]
     if not is_count32(offset):
         _corrupt(where, f"cache entry {i} ({kind}): offset {str(offset)[:40]} is not an integer in 0..{INT32_MAX}")
-    # old TurboQuant files carry no floor: reusable at their full offset only
-    floor = raw.get("minimumReusableOffset", offset if kind == "turboquant" else 0)
+    floor = raw.get("minimumReusableOffset", offset if form.floor_at_offset else 0)
     if not is_count32(floor) or floor > offset:
         _corrupt(
             where,
             f"cache entry {i} ({kind}): invalid cache minimum reusable offset {str(floor)[:40]} (offset {offset})",
         )
-    entry = {"kind": kind, **{f: raw[f] for f in fields}}
-    if kind in RINGS:
-        entry["keep"] = 0  # mlx-bun's rings are mlx-lm's with keep=0
-    if kind == "ssm":
-        entry["size"] = 2  # [conv, recurrent]
+    given = {f: raw[f] for f in fields}
+    entry = {"kind": kind, **{f: given[f] if f in given else form.implied[f] for f in codec.fields}}
     entry["minimumReusableOffset"] = floor
     entry["tensors"] = []
     for name, slot in zip(names, slots):
         shape = list(slot.info.shape)
-        if kind in RINGS and len(shape) == 4:
+        if form.ring and len(shape) == 4:
             shape[2] = min(offset, shape[2])  # rows past offset are the unwritten tail of the ring
         entry["tensors"].append(
             {"name": f"caches.{i}.{name}", "slot": name, "dtype": slot.info.dtype, "shape": shape, "wyhash": slot.hash}
@@ -171,7 +164,7 @@ def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Lay
     except CorruptSnapshotError as e:
         raise CorruptSnapshotError(f"{where}: cache entry {i}: {e}") from None
     check_position(where, i, entry, tokens)
-    if kind in RINGS:  # the tail a ring grows never takes it past its window
+    if form.ring:  # the tail a ring grows never takes it past its window
         rows = slots[0].info.shape[2]
         if rows > entry["maxSize"]:
             _corrupt(where, f"cache entry {i} ({kind}): a ring of {rows} rows, more than maxSize {entry['maxSize']}")
@@ -325,12 +318,13 @@ def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
     """(the mlx-bun header entry, its arrays in slot order) of one live cache."""
     kind = kind_of(cache)
     family = family_of_kind(kind)
-    persisted = family.persisted
-    if persisted not in KINDS:
+    persisted, codec = family.persisted, family.codec
+    form = codec.bun
+    if form is None:
         _refuse_layer(
             i,
             persisted,
-            f"mlx-bun has no codec for mlxkv's {persisted!r} caches ({kind}); it persists {', '.join(KINDS)}",
+            f"mlx-bun has no codec for mlxkv's {persisted!r} caches ({kind}); it persists {', '.join(bun_codecs())}",
         )
     if isinstance(cache, Bf16FirstCache) and cache.pending_conversion is not None:
         _refuse_layer(
@@ -341,31 +335,26 @@ def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
         )
     _, fields, slots = encode_layer(i, cache, tokens)
     cache = getattr(cache, "inner", cache)
-    if persisted in RINGS:
-        if fields["keep"] != 0:
+    for name, value in form.implied.items():
+        if fields[name] != value:
             _refuse_layer(
                 i,
                 persisted,
-                f"a ring that keeps {fields['keep']} leading positions: mlx-bun's rings keep none (keep=0)",
+                f"{name}={fields[name]}: mlx-bun's {persisted} entries have no {name}, it is always {value} there",
             )
-        # mlx-bun persists the whole ring as laid out, unwritten tail included
+    names = form.slot_names(codec)
+    if [s for s, _ in slots] != list(names):
+        _refuse_layer(
+            i, persisted, f"tensor slots {[s for s, _ in slots]}: mlx-bun's {persisted} holds exactly {list(names)}"
+        )
+    if form.ring:  # mlx-bun persists the whole ring as laid out, unwritten tail included
         arrays = [*container_arrays(cache.keys), *container_arrays(cache.values)]
-    elif persisted == "ssm":
-        if fields["size"] != 2 or [s for s, _ in slots] != ["0", "1"]:
-            _refuse_layer(
-                i,
-                persisted,
-                f"recurrent state of {fields['size']} arrays (present: "
-                f"{[s for s, _ in slots]}): mlx-bun's ssm holds exactly [conv, recurrent]",
-            )
-        arrays = [a for _, a in slots]
     else:
         arrays = [a for _, a in slots]
-    names = KINDS[persisted][0]
-    entry = {"kind": persisted, **{f: int(fields[f]) for f in names}}
+    entry = {"kind": persisted, **{f: int(fields[f]) for f in form.fields(codec)}}
     entry["tensors"] = [container.new_slot(a) for a in arrays]
     floor = int(cache.minimum_reusable_offset)
-    if floor or persisted == "turboquant":  # a TurboQuant entry without it would mean "offset"
+    if floor or form.floor_at_offset:  # such an entry without it would mean "offset"
         entry["minimumReusableOffset"] = floor
     return entry, arrays
 
