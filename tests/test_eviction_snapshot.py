@@ -9,8 +9,8 @@ import pytest
 
 import mlxkv
 from mlxkv.caches.qfilters_calibration import calibrate
+from mlxkv.codecs.base import check_entry
 from mlxkv.errors import CorruptSnapshotError, GeometryMismatchError
-from mlxkv.kinds.records import check_entry
 from mlxkv.models.seeded import build_model, prompt
 
 N_TOKENS = 70

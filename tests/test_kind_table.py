@@ -51,6 +51,12 @@ class HalfCodec(Codec):
     def decode(self, entry, tensors):
         return HalfKVCache().adopt(tensors["keys"], tensors["values"], entry["offset"])
 
+    def trimmable(self, entry, shapes):
+        return True
+
+    def prefix(self, entry, tensors, p):
+        return HalfKVCache().adopt(tensors["keys"][..., :p, :], tensors["values"][..., :p, :], p, slack=False)
+
     def geometry(self, entry, shapes):
         return shapes["keys"][1], shapes["keys"][3]
 
@@ -150,6 +156,17 @@ def test_a_family_declared_in_one_record_saves_loads_joins_and_decodes(toy, mode
     snap = mlxkv.load(path, model=model)
     assert all(isinstance(c, HalfKVCache) and c.keys.dtype == mx.float16 for c in snap.caches)
     assert greedy(model, snap.caches, first, 6)[0] == refs[0][1]
+
+    # a prompt store lends a prefix through the codec (trimmable from the header, cut by prefix)
+    with mlxkv.PromptStore(model, cap=1 << 26, directory=str(tmp_path / "store")) as store:
+        store.put(prompts[0], caches)
+        store.flush()
+    with mlxkv.PromptStore(model, cap=1 << 26, directory=str(tmp_path / "store")) as store:
+        hit = store.take(prompts[0][:6] + [7])  # from the disk tier: its header said trimmable
+    assert (hit.tier, hit.prefix_len) == ("disk", 6) and hit.caches[0].keys.shape[2] == 6
+    refill = mlxkv.make_cache(model, "toy-half")
+    run(model, refill, prompts[0][:6])
+    assert mx.array_equal(run(model, hit.caches, [7]), run(model, refill, [7]))
 
     # its mlx-bun form: written as the codec's bun form says, read back through the same codec
     bun = str(tmp_path / "toy.mlxkv")

@@ -3,6 +3,7 @@
 import mlx.core as mx
 import pytest
 from generation import run
+from mlx.utils import tree_flatten
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
@@ -49,3 +50,98 @@ def test_minimum_reusable_offset_and_untrimmable_caches(models):
     assert usable_prefix(entry, hybrid, entry + [1]) == 24  # the whole entry needs no trim
     with pytest.raises(mlxkv.MLXKVError, match="no usable prefix"):
         reuse_prefix(entry, hybrid, [999])
+
+
+# -- every family: a prefix is cut by its codec, and a header answers what live caches do ------
+
+FAMILY_CASES = {  # (arch, scheme, options, tokens): each persisted kind, evicted and not
+    "kv": ("llama", "bf16", {}, 12),
+    "qkv": ("llama", "kv4", {}, 12),
+    "rotating": ("gemma3", "bf16", {}, 12),
+    "rotating-qkv": ("llama", "kv8-g32", {"max_kv_size": 16}, 12),
+    "rotating-wrapped": ("llama", "bf16", {"max_kv_size": 8}, 12),
+    "ssm": ("hybrid", "bf16", {}, 12),
+    "turboquant": ("llama", "turbo-k8v3", {}, 12),
+    "bf16-first": ("llama", "kv4-start16", {}, 12),
+    "tova": ("llama", "tova-b16-s2", {}, 12),
+    "tova-evicted": ("llama", "tova-b8-s2", {}, 12),
+    "qfilters": ("llama", "qfilters-b16-s2-r2", {"calib_tokens": 4}, 12),
+    "qfilters-evicted": ("llama", "qfilters-b8-s2-r2", {"calib_tokens": 4}, 12),
+}
+
+
+def _checked_header(caches, tokens):
+    """An encoded snapshot's header as a reader checks it (dtype and shape in every
+    tensor reference), and its arrays."""
+    from mlxkv.io.safetensors import dtype_name
+    from mlxkv.state.snapshot import encode
+
+    header, tensors = encode(caches, tokens)
+    arrays = dict(tensors)
+    for entry in header["caches"]:
+        for t in entry["tensors"]:
+            t.update(dtype=dtype_name(arrays[t["name"]]), shape=list(arrays[t["name"]].shape))
+    return header, arrays
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_a_header_answers_the_reuse_rule_as_live_caches_do(case, models):
+    from mlxkv.state.reuse import probe, reuse_of
+
+    arch, scheme, options, n = FAMILY_CASES[case]
+    model = models(arch)
+    caches = make_cache(model, scheme, **options)
+    run(model, caches, prompt(n))
+    header, arrays = _checked_header(caches, prompt(n))
+    assert probe(header) == reuse_of(caches)  # no tensor read, no cache built
+    assert probe(header).trimmable == (case not in UNTRIMMABLE)
+    assert probe(header) == reuse_of(mlxkv.state.reuse.lend(header, arrays, n))
+
+
+UNTRIMMABLE = ("ssm", "rotating-wrapped", "tova-evicted", "qfilters-evicted")  # lent whole only
+
+
+@pytest.mark.parametrize("case", [c for c in FAMILY_CASES if c not in UNTRIMMABLE])
+def test_a_lent_prefix_holds_its_positions_only_and_equals_the_trimmed_donor(case, models):
+    from mlxkv.kinds.entries import decode_entries
+    from mlxkv.state.reuse import lend, probe
+
+    arch, scheme, options, n = FAMILY_CASES[case]
+    model = models(arch)
+    caches = make_cache(model, scheme, **options)
+    run(model, caches, prompt(n))
+    header, arrays = _checked_header(caches, prompt(n))
+    assert probe(header).trimmable
+    p = 7
+    lent = lend(header, arrays, p)
+    trimmed = decode_entries(header, {k: a[...] for k, a in arrays.items()})
+    for c in trimmed:
+        c.trim(n - p)
+    for a, b in zip(lent, trimmed):
+        assert (a.kind, a.offset, a.minimum_reusable_offset) == (b.kind, b.offset, b.minimum_reusable_offset)
+        held = [x for _, x in tree_flatten(vars(getattr(a, "inner", a))) if isinstance(x, mx.array) and x.ndim == 4]
+        assert held and all(x.shape[2] <= p for x in held), f"{case}: a lent cache holds rows past its {p} positions"
+        same = [
+            (x, y) for (_, x), (_, y) in zip(tree_flatten(a.state), tree_flatten(b.state)) if isinstance(x, mx.array)
+        ]
+        assert same and all(mx.array_equal(x, y[:, :, : x.shape[2]]).item() for x, y in same)  # T is axis 2
+    fresh_tail = prompt(3, seed=5)
+    assert mx.array_equal(run(model, lent, fresh_tail), run(model, trimmed, fresh_tail))
+
+
+@pytest.mark.parametrize(
+    "name, raised", [("legacy-due-kv4-start8-llama", True), ("legacy-due-turbo-k8v3-llama", False)]
+)
+def test_a_conversion_due_at_restore_raises_the_floor_a_header_reports(name, raised):
+    """An entry written one append after its conversion was due converts as it is restored,
+    raising its reuse floor when the conversion starts after position 0: the header-only
+    answer says the same."""
+    from pathlib import Path
+
+    from mlxkv.state.reuse import probe, reuse_of
+
+    path = str(Path(__file__).parent / "data" / f"{name}.safetensors")
+    header = mlxkv.read_header(path)
+    assert any("pendingConversion" in e for e in header["caches"])
+    assert probe(header) == reuse_of(mlxkv.load(path).caches)
+    assert (probe(header).floor > max(e["minimumReusableOffset"] for e in header["caches"])) == raised

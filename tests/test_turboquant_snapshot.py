@@ -11,8 +11,8 @@ import mlxkv
 from mlxkv import CorruptSnapshotError, TurboQuantKVCache
 from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
+from mlxkv.codecs.base import check_entry
 from mlxkv.io.tensor_reader import TensorReader
-from mlxkv.kinds.records import check_entry
 from mlxkv.math import turboquant as tq
 from mlxkv.models.seeded import prompt
 

@@ -28,6 +28,19 @@ from .plain import KVCache
 AFFINE_ATTRIBUTES = ("bits", "group_size")
 
 
+def conversion_due(start, offset):
+    """mlx-bun's ``transitionDue``: does a plain storage that an append just left holding
+    ``offset`` positions convert now, for a conversion at ``start``? Once it holds ``start``
+    (with ``start == 0``: once it holds any). ``offset`` may be an array of rows' offsets."""
+    return (offset > 0) & (offset >= start)
+
+
+def conversion_floor(start, at):
+    """The reuse floor a conversion at position ``at`` sets: ``at`` after position 0
+    (earlier prefixes were never stored in the target's precision), else 0."""
+    return at if start > 0 else 0 * at
+
+
 @dataclass(frozen=True)
 class PendingConversion:
     scheme: str  # the target scheme without its start, e.g. "kv4-g64", "turbo-k8v3"
@@ -35,15 +48,10 @@ class PendingConversion:
     convert: Callable  # plain cache -> converted cache (consumes the plain cache)
 
     def due(self, offset):
-        """mlx-bun's ``transitionDue``: does a plain storage that an append just left holding
-        ``offset`` positions convert now? Once it holds ``start`` (with ``start == 0``: once
-        it holds any). ``offset`` may be an array of rows' offsets."""
-        return (offset > 0) & (offset >= self.start)
+        return conversion_due(self.start, offset)
 
     def floor(self, at):
-        """The reuse floor a conversion at position ``at`` sets: ``at`` after position 0
-        (earlier prefixes were never stored in the target's precision), else 0."""
-        return at if self.start > 0 else 0 * at
+        return conversion_floor(self.start, at)
 
     def apply(self, plain):
         """Convert ``plain`` (consumed), raising its reuse floor (``floor``)."""

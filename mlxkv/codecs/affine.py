@@ -4,7 +4,7 @@ from ..errors import CorruptSnapshotError
 from ..families import COUNT
 from ..math.affine import AFFINE_BITS, AFFINE_GROUPS
 from . import ring
-from .base import BunForm, Codec, expect_slots, same_prefix
+from .base import BunForm, Codec, cut, expect_slots, same_prefix
 
 SLOTS = ("kPacked", "kScales", "kBiases", "vPacked", "vScales", "vBiases")
 FIELDS = {"groupSize": COUNT, "bits": COUNT}
@@ -13,6 +13,12 @@ FIELDS = {"groupSize": COUNT, "bits": COUNT}
 def affine_slots(keys, values, n=None):
     cut = (lambda a: a) if n is None else (lambda a: a[..., :n, :])
     return [(name, cut(a)) for name, a in zip(SLOTS, (*keys, *values))]
+
+
+def triples(t, p=None):
+    """(keys, values) affine triples of an entry's tensors, their first ``p`` positions."""
+    keep = (lambda a: a) if p is None else (lambda a: cut(a, p))
+    return tuple(keep(t[s]) for s in SLOTS[:3]), tuple(keep(t[s]) for s in SLOTS[3:])
 
 
 def check_affine_entry(entry, shapes):
@@ -55,12 +61,17 @@ class AffineCodec(Codec):
             )
 
     def decode(self, entry, t):
+        return self.prefix(entry, t, entry["offset"])
+
+    def trimmable(self, entry, shapes):
+        return True
+
+    def prefix(self, entry, t, p):
         from ..caches.quantized import QuantizedKVCache
 
         c = QuantizedKVCache(group_size=entry["groupSize"], bits=entry["bits"])
-        k = tuple(t[s] for s in SLOTS[:3])
-        v = tuple(t[s] for s in SLOTS[3:])
-        return c.adopt(k, v, entry["offset"])
+        k, v = triples(t, p)
+        return c.adopt(k, v, p)
 
     def geometry(self, entry, shapes):
         return affine_geometry(shapes, entry["bits"])
@@ -89,12 +100,21 @@ class RotatingAffineCodec(Codec):
         ring.check_ring(entry, shapes["kPacked"][2])
 
     def decode(self, entry, t):
+        return self._ring(entry, *triples(t), entry["offset"], entry["idx"])
+
+    def trimmable(self, entry, shapes):
+        return ring.ring_trimmable(entry)
+
+    def prefix(self, entry, t, p):
+        rows, idx = ring.ring_prefix(entry, p)
+        return self._ring(entry, *triples(t, rows), p, idx)
+
+    @staticmethod
+    def _ring(entry, keys, values, offset, idx):
         from ..caches.rotating import RotatingQuantizedKVCache
 
         c = RotatingQuantizedKVCache(entry["maxSize"], entry["keep"], entry["groupSize"], entry["bits"])
-        k = tuple(t[s] for s in SLOTS[:3])
-        v = tuple(t[s] for s in SLOTS[3:])
-        return c.adopt(k, v, entry["offset"], entry["idx"])
+        return c.adopt(keys, values, offset, idx)
 
     def geometry(self, entry, shapes):
         return affine_geometry(shapes, entry["bits"])

@@ -33,6 +33,9 @@ class ArraysCodec(Codec):
         if any(i < 0 or i >= size for i in idx) or idx != sorted(set(idx)):
             raise CorruptSnapshotError(f"ssm entry: slots {names} are not increasing indices below size={size}")
 
+    def trimmable(self, entry, shapes):
+        return False  # recurrent state has no token axis to cut
+
     def decode(self, entry, t):
         from ..caches.arrays import ArraysCache
 

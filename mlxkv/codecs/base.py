@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..checks import INT32_MAX, is_count32, is_int
-from ..errors import CorruptSnapshotError
-from ..families import COUNT, FLAG, SIGN
+from ..errors import CorruptSnapshotError, MLXKVError
+from ..families import COUNT, FLAG, SIGN, family_of_persisted
 
 _FIELD_RULES = {
     COUNT: (is_count32, f"an integer in 0..{INT32_MAX}"),
@@ -60,6 +60,16 @@ class BunForm:
         return self.slots if self.slots is not None else codec.slots
 
 
+def check_entry(entry: dict, shapes: dict):
+    """Every check a header entry goes through before any tensor is read: the field types its
+    kind's codec declares, then that codec's rules over fields and slot shapes. Returns the
+    entry's family."""
+    family = family_of_persisted(entry.get("kind"))
+    check_fields(entry, family.codec.fields)
+    family.codec.check(entry, shapes)
+    return family
+
+
 class Codec:
     #: the kind written in header entries (``"kv"``, ``"qkv"``, ...): the kind table's key
     persisted: str = ""
@@ -89,6 +99,22 @@ class Codec:
     def decode(self, entry: dict, tensors: dict[str, mx.array]):
         """Rebuild the live cache from a checked entry and its tensors."""
         raise NotImplementedError
+
+    def trimmable(self, entry: dict, shapes: dict[str, Sequence[int]]) -> bool:
+        """Would the cache a checked entry restores be trimmable (``is_trimmable()``)? From
+        the header alone: no tensor is read and no cache built."""
+        raise NotImplementedError
+
+    def prefix(self, entry: dict, tensors: dict[str, mx.array], p: int):
+        """A cache holding the first ``p`` positions of a checked, trimmable entry, over
+        views of ``tensors`` (nothing copied, and no row past ``p`` held). This default
+        decodes and trims, right for caches whose ``trim`` slices their stored rows; a
+        codec whose cache trims by moving its offset slices before it decodes."""
+        cache = self.decode(entry, tensors)
+        drop = entry["offset"] - p
+        if drop and cache.trim(drop) != drop:
+            refuse_prefix(entry, p)
+        return cache
 
     def capacity(self, entry: dict):
         """Rows along the token axis the restored slots should have (slack included), or
@@ -122,3 +148,16 @@ def same_prefix(entry: dict, shapes: dict[str, Sequence[int]], names: Sequence[s
                 f"{entry.get('kind')} entry: slot {n} has shape {list(shapes[n])}, "
                 f"inconsistent with {names[0]} {list(shapes[names[0]])}"
             )
+
+
+def refuse_prefix(entry: dict, p: int):
+    raise MLXKVError(
+        f"a {entry.get('kind')} entry at offset {entry.get('offset')} cannot trim to {p} positions: "
+        f"it cannot serve a prefix of {p}"
+    )
+
+
+def cut(a: mx.array, p: int) -> mx.array:
+    """The first ``p`` positions of a [B, H, T, X] array: the array itself when it holds
+    exactly ``p``, else a view."""
+    return a if a.shape[2] == p else a[..., :p, :]

@@ -2,7 +2,7 @@
 
 from ..errors import CorruptSnapshotError
 from ..families import COUNT
-from .base import BunForm, Codec, expect_slots, same_prefix
+from .base import BunForm, Codec, cut, expect_slots, same_prefix
 
 
 class PlainCodec(Codec):
@@ -34,6 +34,14 @@ class PlainCodec(Codec):
         # held as given: a reader allocated ``capacity`` rows already; arrays lent from
         # memory stay exact and are grown (copied) by the first append, never written into
         return KVCache().adopt(tensors["keys"], tensors["values"], entry["offset"], slack=False)
+
+    def trimmable(self, entry, shapes):
+        return True
+
+    def prefix(self, entry, tensors, p):
+        from ..caches.plain import KVCache
+
+        return KVCache().adopt(cut(tensors["keys"], p), cut(tensors["values"], p), p, slack=False)
 
     def geometry(self, entry, shapes):
         return shapes["keys"][1], shapes["keys"][3]

@@ -12,7 +12,7 @@ from ..errors import CorruptSnapshotError
 from ..families import COUNT, FLAG, SIGN
 from . import tova
 from .base import Codec, expect_slots
-from .tova import check_budget_fields, check_positions, check_rows, slot_dtypes
+from .tova import check_budget_fields, check_positions, check_rows, has_evicted, slot_dtypes
 
 SLOTS = ("keys", "values", "positions", "scores", "filter")
 
@@ -75,6 +75,9 @@ class QFiltersCodec(Codec):
                     f"{kind}: no filter yet, so every token must be stored and offset below "
                     f"calibTokens={entry['calibTokens']}; got {rows} rows at offset {offset}"
                 )
+
+    def trimmable(self, entry, shapes):
+        return not has_evicted(entry, shapes)
 
     def decode(self, entry, t):
         from ..caches.qfilters import QFiltersKVCache

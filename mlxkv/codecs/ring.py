@@ -2,7 +2,7 @@
 
 from ..errors import CorruptSnapshotError
 from ..families import COUNT
-from .base import BunForm, Codec, expect_slots, same_prefix
+from .base import BunForm, Codec, cut, expect_slots, refuse_prefix, same_prefix
 
 FIELDS = {"offset": COUNT, "idx": COUNT, "maxSize": COUNT, "keep": COUNT}
 #: mlx-bun's rings are mlx-lm's with keep=0, persisted whole
@@ -16,6 +16,19 @@ def check_ring(entry, rows):
             f"{entry['kind']} entry: ring of {rows} rows with offset={off} idx={idx} "
             f"maxSize={size} keep={keep} is not a ring mlxkv writes"
         )
+
+
+def ring_trimmable(entry) -> bool:
+    """A ring trims until it wraps (mlx-lm's ``is_trimmable``): while ``offset < maxSize``."""
+    return entry["offset"] < entry["maxSize"]
+
+
+def ring_prefix(entry, p: int):
+    """(rows kept, write index) of a ring entry cut to its first ``p`` positions: a ring that
+    has not wrapped holds them in order, and its write index moves back with its offset."""
+    if not ring_trimmable(entry):
+        refuse_prefix(entry, p)
+    return p, entry["idx"] - (entry["offset"] - p)
 
 
 class RingCodec(Codec):
@@ -39,6 +52,16 @@ class RingCodec(Codec):
 
         c = RotatingKVCache(entry["maxSize"], entry["keep"])
         return c.adopt(t["keys"], t["values"], entry["offset"], entry["idx"])
+
+    def trimmable(self, entry, shapes):
+        return ring_trimmable(entry)
+
+    def prefix(self, entry, t, p):
+        from ..caches.rotating import RotatingKVCache
+
+        rows, idx = ring_prefix(entry, p)
+        c = RotatingKVCache(entry["maxSize"], entry["keep"])
+        return c.adopt(cut(t["keys"], rows), cut(t["values"], rows), p, idx)
 
     def geometry(self, entry, shapes):
         return shapes["keys"][1], shapes["keys"][3]

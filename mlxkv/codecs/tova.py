@@ -51,6 +51,11 @@ def check_budget_fields(entry: dict):
         )
 
 
+def has_evicted(entry: dict, shapes: dict) -> bool:
+    """Fewer kept rows than positions seen: after that the cache no longer trims."""
+    return shapes["keys"][2] < entry["offset"]
+
+
 def check_positions(entry: dict, positions: mx.array) -> None:
     """The data rules of kept positions (read after their checksum passed): along T each
     head's positions strictly increase, all lie in 0 .. offset-1, and the first
@@ -89,6 +94,9 @@ class TOVACodec(Codec):
             raise CorruptSnapshotError(
                 f"tova entry: {rows} kept rows, but TOVA keeps min(offset={offset}, budget={budget})"
             )
+
+    def trimmable(self, entry, shapes):
+        return not has_evicted(entry, shapes)
 
     def decode(self, entry, t):
         from ..caches.tova import TOVAKVCache

@@ -22,7 +22,7 @@ or widths inconsistent with headDim and the bits, before any tensor is read. The
 from ..errors import CacheConfigError, CorruptSnapshotError
 from ..families import COUNT
 from ..math import turboquant as tq
-from .base import BunForm, Codec, expect_slots, same_prefix
+from .base import BunForm, Codec, cut, expect_slots, same_prefix
 
 SLOTS = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
 
@@ -78,10 +78,16 @@ class TurboQuantCodec(Codec):
                 raise CorruptSnapshotError(f"{kind} entry: slot {slot} has dtype {dtypes.get(slot)}, expected {dtype}")
 
     def decode(self, entry, t):
+        return self.prefix(entry, t, entry["offset"])
+
+    def trimmable(self, entry, shapes):
+        return True  # a code group never spans two positions
+
+    def prefix(self, entry, t, p):
         from ..caches.turboquant import TurboQuantKVCache
 
         c = TurboQuantKVCache(entry["kBits"], entry["vBits"], head_dim=entry["headDim"])
-        return c.adopt(*(t[s] for s in SLOTS), offset=entry["offset"])
+        return c.adopt(*(cut(t[s], p) for s in SLOTS), offset=p)
 
     def geometry(self, entry, shapes):
         return shapes["kIdx"][1], entry["headDim"]

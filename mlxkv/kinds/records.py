@@ -29,13 +29,12 @@ from ..caches.tova import TOVA_SCHEME, TOVAKVCache, tova_scheme
 from ..caches.turboquant import TURBO_SCHEME, TurboQuantKVCache, turbo_scheme
 from ..codecs.affine import AffineCodec, RotatingAffineCodec
 from ..codecs.arrays import ArraysCodec
-from ..codecs.base import check_fields
 from ..codecs.plain import PlainCodec
 from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
-from ..families import Family, family_of_persisted, register_family
+from ..families import Family, register_family
 
 PLAIN = Family(
     kind=KVCache.kind,
@@ -102,12 +101,3 @@ FAMILIES = [PLAIN, AFFINE, RING, AFFINE_RING, RECURRENT, TURBO, TOVA, QFILTERS]
 
 for _family in FAMILIES:
     register_family(_family)
-
-
-def check_entry(entry: dict, shapes: dict):
-    """Every check a header entry goes through before any tensor is read: its family's
-    field types, then its codec's rules over fields and slot shapes. Returns the family."""
-    family = family_of_persisted(entry.get("kind"))
-    check_fields(entry, family.fields)
-    family.codec.check(entry, shapes)
-    return family

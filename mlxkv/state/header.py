@@ -12,11 +12,11 @@ import re
 
 from ..caches.schemes import scheme_for_pending
 from ..checks import INT32_MAX, is_count32, is_int
+from ..codecs.base import check_entry
 from ..errors import CorruptSnapshotError, FormatVersionError, MLXKVError, SnapshotError
 from ..families import family_of_persisted
 from ..io import strict_json
 from ..io.safetensors import SafetensorsHeader, crc32_hex
-from ..kinds.records import check_entry
 from .identity import RECORDED_FIELDS
 
 FORMAT_VERSION = 2  # 2: generationCheckpoint in mlx-bun's layout (docs/format.md section 9)

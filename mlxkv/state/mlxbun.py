@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from ..caches.transition import Bf16FirstCache
 from ..checks import INT32_MAX, is_count32, is_int
+from ..codecs.base import check_entry
 from ..errors import (
     CorruptSnapshotError,
     EmptyCacheError,
@@ -37,12 +38,12 @@ from ..families import families, family_of_kind, family_of_persisted, kind_of
 from ..io import mlxbun as container
 from ..io.safetensors import ITEMSIZE
 from ..io.tensor_reader import TensorReader, check_allocation
-from ..kinds.records import check_entry
+from ..kinds.entries import decode_entries, encode_layer
 from .checkpoint import describe as describe_checkpoint
 from .checkpoint import normalized, read_checkpoint
 from .header import check_position, check_tokens
 from .identity import RECORDED_FIELDS, Identity, check_expected
-from .snapshot import Snapshot, check_for_model, decode, encode_layer
+from .snapshot import Snapshot, check_for_model
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
@@ -273,7 +274,7 @@ def load_mlx_bun(
     by_name = {
         ref["name"]: arrays.pop(s.info.name) for layer in layers for ref, s in zip(layer.entry["tensors"], layer.slots)
     }
-    caches = decode({"caches": [layer.entry for layer in layers]}, by_name, where)
+    caches = decode_entries({"caches": [layer.entry for layer in layers]}, by_name, where)
     del by_name
     for cache in caches:
         mx.eval(cache.state)

@@ -8,10 +8,12 @@ method attachment rides on the entry (attachments are never trimmed). That is th
 (:func:`prefix_for`); every store tier and every caller applies it through this module, and
 knows of a cache only its ``minimum_reusable_offset`` and ``is_trimmable()``.
 
-Reuse lends: :func:`lend` builds new caches trimmed to ``p`` over views of the donor's
-arrays. MLX arrays are values: an append to a lent cache makes new arrays (a growing append
+Reuse lends: :func:`lend` builds new caches holding the first ``p`` positions over views of
+the donor's arrays, each through its codec's ``prefix`` (no decode, trim, re-encode round
+trip). MLX arrays are values: an append to a lent cache makes new arrays (a growing append
 concatenates; a write into a row the lent cache already holds copies the buffer, because
-the donor still holds it), so the donor's bytes never change.
+the donor still holds it), so the donor's bytes never change. :func:`probe` answers the
+rule's two questions of a stored entry from its header alone (``Codec.trimmable``).
 """
 
 from collections.abc import Sequence
@@ -20,9 +22,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import MLXKVError
-from ..io.safetensors import DTYPES
-from .identity import Identity
-from .snapshot import decode, encode
+from ..families import family_of_persisted
+from ..kinds.entries import decode_entries, encode_entries, restored_floor
 
 _SPAN = 64  # tokens compared per slice before the token-by-token finish
 
@@ -91,22 +92,14 @@ def covers(new_tokens: Sequence[int], new: Reuse, old_tokens: Sequence[int], old
 def lend(header: dict, arrays: dict[str, mx.array], p: int) -> list:
     """New caches holding the first ``p`` positions of an encoded snapshot (``header`` and its
     tensors by name, as ``snapshot.encode`` or ``snapshot.read`` give them), over views of
-    ``arrays``: nothing is copied, and nothing a lent cache does changes ``arrays``.
+    ``arrays``: nothing is copied, no lent cache holds a row past ``p``, and nothing a lent
+    cache does changes ``arrays``.
 
     ``p`` must be the whole snapshot or a prefix every cache can trim to (``prefix_for``
-    decided so); each cache trims by its own rule."""
+    decided so); each codec cuts its own entry (``Codec.prefix``)."""
     views = {name: a[...] for name, a in arrays.items()}  # new array objects: setitem stays local
-    caches = decode(header, views)
-    drop = len(header["tokens"]) - p
-    if drop == 0:
-        return caches
-    for c in caches:
-        if c.trim(drop) != drop:
-            raise MLXKVError(f"a {c.kind} cache cannot trim {drop} positions: this entry cannot serve a prefix of {p}")
-    # keep only the rows the prefix holds (an exact view each), so a lent cache never
-    # carries the donor's longer tail
-    trimmed, tensors = encode(caches, header["tokens"][:p], **_identity(header))
-    return decode(trimmed, dict(tensors))
+    whole = p == len(header["tokens"])
+    return decode_entries(header, views, prefix=None if whole else p)
 
 
 def reuse_prefix(
@@ -120,24 +113,18 @@ def reuse_prefix(
             "this entry cannot serve the prompt: no usable prefix (it diverges at token 0, would "
             "need a trim below minimum_reusable_offset, or needs a trim the caches cannot make)"
         )
-    header, tensors = encode(caches, entry_tokens)
-    return lend(header, dict(tensors), p), list(prompt[p:]), p
+    tokens = [int(t) for t in entry_tokens]
+    entries, tensors = encode_entries(list(caches), tokens)
+    return lend({"tokens": tokens, "caches": entries}, dict(tensors), p), list(prompt[p:]), p
 
 
 def probe(header: dict) -> Reuse:
-    """:class:`Reuse` of a checked snapshot header without its tensors: the caches are
-    built over placeholders that are never evaluated (no byte is allocated or read)."""
-    placeholders = {}
+    """:class:`Reuse` of a checked snapshot header without its tensors: each entry's reuse
+    floor (``kinds.entries.restored_floor``) and its codec's ``trimmable`` answer; no byte
+    is read and no cache built."""
+    floor, trimmable = 0, not header.get("attachments")
     for entry in header["caches"]:
-        for t in entry["tensors"]:
-            dtype = DTYPES[t["dtype"]][0]
-            placeholders[t["name"]] = mx.broadcast_to(mx.zeros((), dtype), t["shape"])
-    return reuse_of(decode(header, placeholders), header.get("attachments"))
-
-
-def _identity(header: dict) -> dict:
-    return {
-        **Identity.from_header(header).keywords(),
-        "attachments": header.get("attachments"),
-        "created_at": header.get("createdAt"),
-    }
+        shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
+        floor = max(floor, restored_floor(entry))
+        trimmable = trimmable and family_of_persisted(entry["kind"]).codec.trimmable(entry, shapes)
+    return Reuse(floor, trimmable)

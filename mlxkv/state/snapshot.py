@@ -14,17 +14,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..caches.masks import ForwardMasks
-from ..caches.schemes import scheme_for_pending
-from ..caches.transition import Bf16FirstCache
 from ..errors import (
-    EmptyCacheError,
     GeometryMismatchError,
     IdentityMismatchError,
-    MLXKVError,
     SnapshotError,
 )
-from ..families import family_of_kind, family_of_persisted, kind_of
+from ..families import family_of_persisted
 from ..io.containers import open_container
 from ..io.mlxbun import MlxBunFile
 from ..io.safetensors import (
@@ -38,7 +33,7 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
-from ..kinds.predicates import is_recurrent_cache
+from ..kinds.entries import decode_entries, encode_entries
 from .checkpoint import normalized
 from .header import (  # noqa: F401 - the header constants are part of this module's interface
     ACCEPTED_PROVIDERS,
@@ -61,48 +56,6 @@ class Snapshot:
     @property
     def generation_checkpoint(self) -> dict | None:
         return self.header.get("generationCheckpoint")
-
-
-def _is_empty(cache) -> bool:
-    if is_recurrent_cache(cache):
-        return all(a is None for a in cache.cache)
-    return cache.offset == 0
-
-
-def encode_layer(i: int, cache, tokens: list):
-    """(family, header fields, (slot, array) pairs) of layer ``i``, after the checks every
-    writer makes: a known kind, a cache that holds tokens, and an offset that is
-    ``len(tokens)`` (recurrent state has no token axis). Writes nothing."""
-    kind = kind_of(cache)
-    family = family_of_kind(kind)  # unknown kinds fail before anything is written
-    if _is_empty(cache):
-        raise EmptyCacheError(f"layer {i} ({kind}) holds no tokens: run the prompt through the model before saving")
-    if not is_recurrent_cache(cache) and cache.offset != len(tokens):
-        raise SnapshotError(
-            f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
-            "tokens must be the exact prefix the caches encode"
-        )
-    fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
-    return family, fields, slots
-
-
-def _encode_all(caches, tokens):
-    if not caches:
-        raise EmptyCacheError("nothing to save: the cache list is empty")
-    entries, tensors = [], []
-    for i, cache in enumerate(caches):
-        family, fields, slots = encode_layer(i, cache, tokens)
-        entry = {"kind": family.persisted, **fields, "minimumReusableOffset": cache.minimum_reusable_offset}
-        pending = getattr(cache, "pending_conversion", None)
-        if pending is not None:
-            entry["pendingConversion"] = pending
-        entry["tensors"] = []
-        for slot, array in slots:
-            name = f"caches.{i}.{slot}"
-            entry["tensors"].append({"name": name, "slot": slot})
-            tensors.append((name, array))
-        entries.append(entry)
-    return entries, tensors
 
 
 def _check_readable(base: dict, tensors) -> None:
@@ -151,7 +104,7 @@ def encode(
         tokens = [int(t) for t in tokens]
     except (TypeError, ValueError) as e:
         raise SnapshotError(f"tokens must be integers: {e}") from None
-    entries, tensors = _encode_all(list(caches), tokens)
+    entries, tensors = encode_entries(list(caches), tokens)
     for name, a in tensors:
         check_storable(name, a)  # unsupported dtypes and ranks fail before any file is opened
     identity = Identity.resolved(
@@ -363,30 +316,6 @@ def _read(file: SafetensorsFile, model, verify, slack, progress, allow_other_mod
     return header, arrays
 
 
-def decode(header: dict, arrays: dict[str, mx.array], path: str = "") -> list:
-    """Live caches from a checked header and its tensors by name (one shared masks object).
-
-    The caches hold the given arrays as they are; nothing is evaluated or copied. A rule on
-    the stored values (eviction positions) that does not hold refuses the snapshot."""
-    masks = ForwardMasks()
-    where = f"{path}: " if path else ""
-    caches = []
-    for i, entry in enumerate(header["caches"]):
-        codec = family_of_persisted(entry["kind"]).codec
-        try:
-            cache = codec.decode(entry, {t["slot"]: arrays[t["name"]] for t in entry["tensors"]})
-            cache.minimum_reusable_offset = entry["minimumReusableOffset"]
-            if "pendingConversion" in entry:
-                cache = Bf16FirstCache(scheme_for_pending(entry["pendingConversion"]), cache)
-        except SnapshotError as e:
-            raise type(e)(f"{where}cache entry {i}: {e}") from None
-        except MLXKVError as e:  # the header checks should have refused it: still a refusal of ours
-            raise SnapshotError(f"{where}cannot restore cache entry {i}: {e}") from None
-        cache.masks = masks
-        caches.append(cache)
-    return caches
-
-
 def load(
     path: str,
     model=None,
@@ -421,7 +350,7 @@ def load(
                 **expect,
             )
         header, arrays = _read(file, model, verify, True, progress, allow_other_model, check, expect)
-    caches = decode(header, arrays, path)
+    caches = decode_entries(header, arrays, path)
     del arrays
     for cache in caches:
         mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
