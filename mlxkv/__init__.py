@@ -43,6 +43,8 @@ from .errors import (
     UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
+from .formats.mlxkv import Snapshot, load, read_header, save, verify
+from .formats.mlxlm import convert_prompt_cache, read_prompt_cache
 from .kinds.predicates import (
     is_eviction_cache,
     is_plain_kv_cache,
@@ -52,11 +54,9 @@ from .kinds.predicates import (
     is_rotating_quantized_cache,
     is_turboquant_cache,
 )
+from .session import Session, request_key, request_policy
 from .state.checkpoint import Checkpoint
-from .state.prompt_cache import convert_prompt_cache, read_prompt_cache
 from .state.sampler import Sampler
-from .state.session import Session, request_key, request_policy
-from .state.snapshot import Snapshot, load, read_header, save, verify
 from .state.store import FlushReport, Hit, PromptStore
 
 __version__ = "0.1.0"

@@ -88,10 +88,10 @@ def layers_by_kind(kinds: list[str]) -> str:
 
 
 def cmd_inspect(args) -> int:
+    from .formats.mlxkv_header import check_header
     from .io.containers import open_container
     from .io.mlxbun import MlxBunFile
     from .state.checkpoint import describe as describe_checkpoint
-    from .state.header import check_header
     from .state.identity import RECORDED_FIELDS
 
     with open_container(args.file) as file:  # one file, however the path is renamed over
@@ -138,7 +138,7 @@ def cmd_inspect(args) -> int:
 
 
 def _inspect_mlx_bun(file) -> int:
-    from .state.mlxbun import describe
+    from .formats.mlxbun import describe
 
     general, headers, rows = describe(file)
     width = max(len(k) for k, _ in general)
@@ -150,7 +150,7 @@ def _inspect_mlx_bun(file) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .state.snapshot import verify
+    from .formats.mlxkv import verify
 
     size = os.path.getsize(args.file) if os.path.exists(args.file) else 0
     header = verify(args.file, progress=Progress("verifying"))
@@ -161,9 +161,9 @@ def cmd_verify(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from .formats.mlxbun import convert_snapshot, file_format
+    from .formats.mlxlm import convert_prompt_cache, parse_tokens
     from .state.identity import RECORDED
-    from .state.mlxbun import convert_snapshot, file_format
-    from .state.prompt_cache import convert_prompt_cache, parse_tokens
 
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     identity = {k: getattr(args, k) for k in RECORDED if getattr(args, k) is not None}
@@ -205,7 +205,7 @@ def _demo_run(arch, model, scheme, workdir, prompt_len, before, after, sampler, 
     import numpy as np
 
     from .models.seeded import prompt
-    from .state.session import Session
+    from .session import Session
 
     session = Session.start(
         model, prompt(prompt_len, seed=seed + 1), scheme, sampler=sampler, seed=seed, **DEMO_OPTIONS.get(scheme, {})
@@ -361,7 +361,7 @@ def cmd_resume(args) -> int:
     import numpy as np
 
     from .models.seeded import build_model
-    from .state.session import Session
+    from .session import Session
 
     warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
     with open(args.manifest) as f:

@@ -53,7 +53,7 @@ FORMATS = {"mlxkv": ("mlxkv",), "mlx-bun": ("whole", "blocks"), "mixed": ("mlxkv
 
 def _save(path: str, g: int, fsync: bool, pause: float = 0.0, fmt: str = "mlxkv"):
     import mlxkv
-    from mlxkv.state.mlxbun import save_mlx_bun
+    from mlxkv.formats.mlxbun import save_mlx_bun
 
     def slow(done, total):
         if pause:

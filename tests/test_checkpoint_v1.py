@@ -21,9 +21,9 @@ import pytest
 
 import mlxkv
 from mlxkv.cli import main as cli
+from mlxkv.session import Session
 from mlxkv.state.checkpoint import read_checkpoint
 from mlxkv.state.sampler import SamplerV1
-from mlxkv.state.session import Session
 
 DATA = Path(__file__).resolve().parent / "data" / "format-v1"
 EXPECTED = json.loads((DATA / "expected.json").read_text())

@@ -13,7 +13,7 @@ from mlx_lm.models import cache as mlx_cache
 import mlxkv
 from mlxkv.cli import LARGE_FILE, Progress, layers_by_kind
 from mlxkv.models.seeded import prompt
-from mlxkv.state.session import Sampler, Session
+from mlxkv.session import Sampler, Session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -24,8 +24,8 @@ from mlxkv import errors
 from mlxkv.caches.transition import Bf16FirstCache
 from mlxkv.families import family_of_kind, known_persisted_kinds
 from mlxkv.models.seeded import build_model
+from mlxkv.session import Session
 from mlxkv.state.generation_key import generation_key
-from mlxkv.state.session import Session
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text())

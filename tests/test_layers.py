@@ -8,7 +8,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlxkv"
 
-# lowest first; a module belongs to the first entry its dotted name starts with
+# lowest first; a module belongs to the layer of the longest prefix its dotted name starts with
 LAYERS = [
     ("foundation", ("mlxkv.errors", "mlxkv.checks", "mlxkv.families")),
     ("models", ("mlxkv.models",)),
@@ -19,15 +19,23 @@ LAYERS = [
     ("kind records", ("mlxkv.kinds",)),
     ("file I/O", ("mlxkv.io",)),
     ("state", ("mlxkv.state",)),
-    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.models.seeded", "mlxkv")),
+    ("file formats", ("mlxkv.formats",)),
+    ("sessions", ("mlxkv.session",)),
+    ("prompt store", ("mlxkv.state.store",)),
+    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv")),
 ]
 
 
 def layer_of(module: str) -> int:
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return rank
-    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+    found = [
+        (len(p), rank)
+        for rank, (_, prefixes) in enumerate(LAYERS)
+        for p in prefixes
+        if module == p or module.startswith(p + ".")
+    ]
+    if not found:
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+    return max(found)[1]
 
 
 def module_name(path: Path) -> str:
@@ -80,4 +88,5 @@ def test_the_walk_sees_relative_and_function_level_imports(tmp_path):
     """The checker itself: an upward import inside a function is found."""
     found = {t: n for n, t in imports_of(PACKAGE / "caches" / "base.py")}
     assert "mlxkv.caches.rows" in found  # `from .rows import merge_rows`, inside a method
-    assert layer_of("mlxkv.state.snapshot") > layer_of("mlxkv.caches.base")
+    assert layer_of("mlxkv.formats.mlxkv") > layer_of("mlxkv.caches.base")
+    assert layer_of("mlxkv.state.store.store") > layer_of("mlxkv.session") > layer_of("mlxkv.state.identity")

@@ -11,8 +11,7 @@ from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv.errors import CorruptSnapshotError, SnapshotError, UnknownKindError
-from mlxkv.models.seeded import prompt
-from mlxkv.state.prompt_cache import (
+from mlxkv.formats.mlxlm import (
     MissingTokensError,
     OldPromptCacheLayoutError,
     UnsupportedPromptCacheClassError,
@@ -20,6 +19,7 @@ from mlxkv.state.prompt_cache import (
     parse_tokens,
     read_prompt_cache,
 )
+from mlxkv.models.seeded import prompt
 
 PROMPT = 40  # > gemma3's 32-slot sliding window: its rings have wrapped
 

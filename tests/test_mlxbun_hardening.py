@@ -18,9 +18,9 @@ from test_stress import stress
 
 import mlxkv
 from mlxkv.errors import CorruptSnapshotError, SnapshotError
+from mlxkv.formats.mlxbun import save_mlx_bun
 from mlxkv.io import mlxbun as container
 from mlxkv.io import tensor_reader
-from mlxkv.state.mlxbun import save_mlx_bun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUN = os.path.join(ROOT, "fixtures", "mlx-bun")

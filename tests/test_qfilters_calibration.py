@@ -16,10 +16,10 @@ from mlxkv.caches.qfilters_calibration import (
     compute_qfilters,
 )
 from mlxkv.errors import CorruptSnapshotError, FormatVersionError, GeometryMismatchError, IdentityMismatchError
+from mlxkv.formats.qfilters_artifact import load_qfilters, save_qfilters
 from mlxkv.io.safetensors import write_atomic
 from mlxkv.math.qfilters import key_svd_filter
 from mlxkv.models.seeded import build_model, prompt
-from mlxkv.state.qfilters_artifact import load_qfilters, save_qfilters
 
 
 def unit(v):

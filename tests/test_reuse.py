@@ -73,8 +73,8 @@ FAMILY_CASES = {  # (arch, scheme, options, tokens): each persisted kind, evicte
 def _checked_header(caches, tokens):
     """An encoded snapshot's header as a reader checks it (dtype and shape in every
     tensor reference), and its arrays."""
+    from mlxkv.formats.mlxkv import encode
     from mlxkv.io.safetensors import dtype_name
-    from mlxkv.state.snapshot import encode
 
     header, tensors = encode(caches, tokens)
     arrays = dict(tensors)

@@ -24,9 +24,9 @@ from mlxkv.errors import (
     SnapshotError,
 )
 from mlxkv.models.seeded import prompt
+from mlxkv.session import Session, request_key, request_policy
 from mlxkv.state.generation_key import generation_key
 from mlxkv.state.sampler import Sampler
-from mlxkv.state.session import Session, request_key, request_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,7 +170,7 @@ import json, sys, warnings
 import numpy as np, mlx.core as mx
 warnings.simplefilter("ignore")
 from mlxkv.models.seeded import build_model
-from mlxkv.state.session import Session
+from mlxkv.session import Session
 jobs = json.load(open(sys.argv[1]))
 models, out = {}, {}
 for job in jobs:

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
+from mlxkv.formats.mlxkv import FORMAT_VERSION
 from mlxkv.models.seeded import prompt
-from mlxkv.state.snapshot import FORMAT_VERSION
 
 SLOTS = {
     "kv": ["keys", "values"],

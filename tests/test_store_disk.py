@@ -15,8 +15,8 @@ from helpers import data_start, flip_bit, rewrite_header
 from store_helpers import build, continuation, forward
 
 from mlxkv import PromptStore, Sampler, Session, request_key
+from mlxkv.formats.mlxkv import FORMAT_VERSION
 from mlxkv.models.seeded import prompt, tokenizer
-from mlxkv.state.snapshot import FORMAT_VERSION
 
 CAP = 64 << 20
 PER_TOKEN = 4 * 2 * 2 * 64 * 2  # seeded llama, bf16

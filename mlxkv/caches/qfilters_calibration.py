@@ -12,7 +12,7 @@
    kv head (mlx-lm's grouping: query head h reads kv head h // (H_q / H_kv)) and renormalizes.
 
 ``calibrate(model, token_batches, model_id=...)`` runs the three steps for every layer and
-returns a :class:`QFiltersCalibration`; ``mlxkv.state.qfilters_artifact`` saves and loads it.
+returns a :class:`QFiltersCalibration`; ``mlxkv.formats.qfilters_artifact`` saves and loads it.
 """
 
 from collections.abc import Iterable

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ...errors import FormatVersionError, MLXKVError, SnapshotError, UnknownKindError
+from ...formats.mlxkv import read, read_header, write
 from ...io import temporaries
 from ..identity import Identity
 from ..reuse import prefix_for, probe
-from ..snapshot import read, read_header, write
 from .entry import Entry
 from .index import PrefixIndex, best_prefix
 

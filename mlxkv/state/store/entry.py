@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ...formats.mlxkv import encode
 from ..identity import Identity
 from ..reuse import Reuse, lend, reuse_of
-from ..snapshot import encode
 
 
 @dataclass(eq=False)

@@ -24,10 +24,10 @@ import numpy as np
 import redis
 
 from ...errors import MLXKVError, SnapshotError
+from ...formats.mlxkv import META_CRC_KEY, META_KEY, parse_header
 from ...io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer, crc32, crc32_hex, dtype_name
 from ..identity import Identity
 from ..reuse import prefix_for, probe
-from ..snapshot import META_CRC_KEY, META_KEY, parse_header
 from .entry import Entry
 from .keys import block_chain
 

@@ -467,7 +467,7 @@ class PromptStore:
         namespace match, the checkpoint's prompt is as long as ``prompt_tokens``, and its
         tokens strictly extend them. ``resume``: ``Session.resume``'s sampler options, for a
         checkpoint that records no sampling state."""
-        from ..session import Session
+        from ...session import Session
 
         self._check_open()
         ns, prompt = self._check_ns(ns), self._tokens(prompt_tokens)

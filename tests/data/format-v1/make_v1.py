@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, ROOT)
 
 from mlxkv.models.seeded import build_model, prompt  # noqa: E402
-from mlxkv.state.session import Sampler, Session  # noqa: E402
+from mlxkv.session import Sampler, Session  # noqa: E402
 
 STEPS = 8
 CASES = [

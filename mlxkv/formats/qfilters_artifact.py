@@ -30,7 +30,7 @@ from ..errors import (
 from ..io import strict_json
 from ..io.safetensors import SafetensorsFile, write_atomic
 from ..io.tensor_reader import TensorReader
-from .identity import model_geometry
+from ..state.identity import model_geometry
 
 META_KEY = "mlxkv.qfilters"
 

@@ -17,7 +17,7 @@ from ..errors import CorruptSnapshotError, FormatVersionError, MLXKVError, Snaps
 from ..families import family_of_persisted
 from ..io import strict_json
 from ..io.safetensors import SafetensorsHeader, crc32_hex
-from .identity import RECORDED_FIELDS
+from ..state.identity import RECORDED_FIELDS
 
 FORMAT_VERSION = 2  # 2: generationCheckpoint in mlx-bun's layout (docs/format.md section 9)
 CODEC_PROVIDER = "mlxkv"

@@ -34,8 +34,9 @@ from ..io.safetensors import (
 )
 from ..io.tensor_reader import TensorReader
 from ..kinds.entries import decode_entries, encode_entries
-from .checkpoint import normalized
-from .header import (  # noqa: F401 - the header constants are part of this module's interface
+from ..state.checkpoint import normalized
+from ..state.identity import Identity, check_expected, legacy_config_fingerprint, model_fingerprint, model_geometry
+from .mlxkv_header import (  # noqa: F401 - the header constants are part of this module's interface
     ACCEPTED_PROVIDERS,
     CODEC_PROVIDER,
     FORMAT_VERSION,
@@ -43,7 +44,6 @@ from .header import (  # noqa: F401 - the header constants are part of this modu
     META_KEY,
     check_header,
 )
-from .identity import Identity, check_expected, legacy_config_fingerprint, model_fingerprint, model_geometry
 
 
 @dataclass

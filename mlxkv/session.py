@@ -26,13 +26,13 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from ..caches.schemes import make_cache, parse_scheme
-from ..checks import is_count, is_int
-from ..errors import CacheConfigError, GenerationFinishedError, SnapshotError
-from .checkpoint import FIELD, POLICY_VERSION, Checkpoint, own_state, read_checkpoint
-from .generation_key import generation_key
-from .sampler import Sampler, SamplerV1, sampler_from_policy
-from .snapshot import load, save
+from .caches.schemes import make_cache, parse_scheme
+from .checks import is_count, is_int
+from .errors import CacheConfigError, GenerationFinishedError, SnapshotError
+from .formats.mlxkv import load, save
+from .state.checkpoint import FIELD, POLICY_VERSION, Checkpoint, own_state, read_checkpoint
+from .state.generation_key import generation_key
+from .state.sampler import Sampler, SamplerV1, sampler_from_policy
 
 CHECKPOINT_KEY = FIELD
 DEFAULT_SEED = 0  # the seed of a session started without one (seedMode "server-default")

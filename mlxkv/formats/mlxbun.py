@@ -4,7 +4,7 @@ Reading: the container (``io/mlxbun.py``) gives the raw header and the slots; ea
 cache entry is translated into the mlxkv header entry of the same persisted kind (slot names,
 ``keep`` 0 for rings, ``size`` 2 for ``ssm``, the reuse floor), checked by mlxkv's own codec
 (``codec.check``) and decoded by it (``codec.decode``), so both formats share every check.
-The result is a :class:`MlxBunSnapshot`: a :class:`~mlxkv.state.snapshot.Snapshot` whose
+The result is a :class:`MlxBunSnapshot`: a :class:`~mlxkv.formats.mlxkv.Snapshot` whose
 header is an mlxkv header (``codecProvider`` ``"mlx-bun"``, ``formatVersion`` the mlx-bun
 version) plus ``mlxBun``, what only the mlx-bun file says, and whose ``attachments`` hold
 mlx-bun's companion tensors.
@@ -39,11 +39,11 @@ from ..io import mlxbun as container
 from ..io.safetensors import ITEMSIZE
 from ..io.tensor_reader import TensorReader, check_allocation
 from ..kinds.entries import decode_entries, encode_layer
-from .checkpoint import describe as describe_checkpoint
-from .checkpoint import normalized, read_checkpoint
-from .header import check_position, check_tokens
-from .identity import RECORDED_FIELDS, Identity, check_expected
-from .snapshot import Snapshot, check_for_model
+from ..state.checkpoint import describe as describe_checkpoint
+from ..state.checkpoint import normalized, read_checkpoint
+from ..state.identity import RECORDED_FIELDS, Identity, check_expected
+from .mlxkv import Snapshot, check_for_model
+from .mlxkv_header import check_position, check_tokens
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
@@ -450,7 +450,7 @@ def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **ide
     tokens, identity (``identity`` overrides fields), checkpoint and creation time. Returns
     the written header. Attachments cross only between mlx-bun files: an mlxkv snapshot
     holds cache tensors only, so converting a file with attachments to mlxkv is refused."""
-    from .snapshot import load, save
+    from .mlxkv import load, save
 
     snap = load(src)
     h = snap.header

@@ -35,7 +35,7 @@ from ..checks import is_count, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
 from ..io.safetensors import SafetensorsFile
 from ..io.tensor_reader import TensorReader
-from .snapshot import META_KEY, save
+from .mlxkv import META_KEY, save
 
 TOKENS_METADATA_KEY = "tokens"
 
