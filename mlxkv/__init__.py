@@ -43,8 +43,9 @@ from .errors import (
     UnsupportedKindError,
 )
 from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
-from .formats.mlxkv import Snapshot, load, read_header, save, verify
-from .formats.mlxlm import convert_prompt_cache, read_prompt_cache
+from .formats.mlxlm import read_prompt_cache
+from .formats.snapshot import Snapshot
+from .formats.table import convert_prompt_cache, load, read_header, save, verify
 from .kinds.predicates import (
     is_eviction_cache,
     is_plain_kv_cache,

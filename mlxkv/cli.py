@@ -18,6 +18,7 @@ import warnings
 from collections import Counter
 
 from .errors import MLXKVError
+from .formats.snapshot import human_bytes
 from .serve.options import add_arguments as add_serve_arguments
 
 QUICK_SCHEMES = ("bf16", "kv4", "kv4-start16")
@@ -28,14 +29,6 @@ LARGE_FILE = 64 << 20  # progress is shown for files this large even when stderr
 
 
 # -- output helpers ---------------------------------------------------------------------
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def print_table(headers: list[str], rows: list[list[str]], out=sys.stdout) -> None:
@@ -71,7 +64,7 @@ class Progress:
             return
         self._last = now
         pct = 100.0 * done / total if total else 100.0
-        self.stream.write(f"\r{self.label}: {pct:5.1f}% ({_fmt_bytes(done)} of {_fmt_bytes(total)})")
+        self.stream.write(f"\r{self.label}: {pct:5.1f}% ({human_bytes(done)} of {human_bytes(total)})")
         self.shown = True
         if done >= total:
             self.stream.write("\n")
@@ -88,59 +81,9 @@ def layers_by_kind(kinds: list[str]) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .formats.mlxkv_header import check_header
-    from .io.containers import open_container
-    from .io.mlxbun import MlxBunFile
-    from .state.checkpoint import describe as describe_checkpoint
-    from .state.identity import RECORDED_FIELDS
+    from .formats.table import describe
 
-    with open_container(args.file) as file:  # one file, however the path is renamed over
-        if isinstance(file, MlxBunFile):  # hook: mlx-bun's format (state/mlxbun.py describes it)
-            return _inspect_mlx_bun(file)
-        st = file.header
-        header = check_header(st)
-    tokens = header["tokens"]
-    shown = ", ".join(map(str, tokens[:16])) + (", ..." if len(tokens) > 16 else "")
-    general = [
-        ("file", args.file),
-        ("size", f"{st.file_size} bytes ({_fmt_bytes(st.file_size)})"),
-        ("formatVersion", header.get("formatVersion")),
-        ("codecProvider", header.get("codecProvider")),
-        ("createdAt", header.get("createdAt")),
-        *((k, repr(header.get(k, "")) if k == "ns" else header.get(k)) for k in RECORDED_FIELDS),
-        ("tokens", f"{len(tokens)} [{shown}]"),
-    ]
-    general += describe_checkpoint(header)
-    if header.get("attachments"):
-        general.append(("attachments", ", ".join(sorted(header["attachments"]))))
-    width = max(len(k) for k, _ in general)
-    for k, v in general:
-        print(f"{k.ljust(width)}  {v}")
-    print()
-    rows = []
-    for i, entry in enumerate(header["caches"]):
-        fields = {k: v for k, v in entry.items() if k not in ("kind", "offset", "tensors", "minimumReusableOffset")}
-        slots = " ".join(f"{t['slot']}:{t['dtype']}{t['shape']}" for t in entry["tensors"])
-        size = sum(st.tensors[t["name"]].end - st.tensors[t["name"]].begin for t in entry["tensors"])
-        rows.append(
-            [
-                i,
-                entry["kind"],
-                entry.get("offset", ""),
-                entry["minimumReusableOffset"],
-                " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in fields.items()) or "-",
-                size,
-                slots or "-",
-            ]
-        )
-    print_table(["layer", "kind", "offset", "minReuse", "fields", "bytes", "tensors (slot:dtype[shape])"], rows)
-    return 0
-
-
-def _inspect_mlx_bun(file) -> int:
-    from .formats.mlxbun import describe
-
-    general, headers, rows = describe(file)
+    general, headers, rows = describe(args.file)  # one file, however the path is renamed over
     width = max(len(k) for k, _ in general)
     for k, v in general:
         print(f"{k.ljust(width)}  {v}")
@@ -150,7 +93,7 @@ def _inspect_mlx_bun(file) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .formats.mlxkv import verify
+    from .formats.table import verify
 
     size = os.path.getsize(args.file) if os.path.exists(args.file) else 0
     header = verify(args.file, progress=Progress("verifying"))
@@ -161,21 +104,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .formats.mlxbun import convert_snapshot, file_format
-    from .formats.mlxlm import convert_prompt_cache, parse_tokens
+    from .formats.mlxlm import parse_tokens
+    from .formats.table import convert
     from .state.identity import RECORDED
 
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     identity = {k: getattr(args, k) for k in RECORDED if getattr(args, k) is not None}
-    src_format = file_format(args.src)  # hook: mlxkv and mlx-bun snapshots convert either way
-    if src_format != "mlx-lm":
-        if tokens is not None:
-            raise MLXKVError(f"{args.src} is an {src_format} snapshot, which records its tokens: drop --tokens")
-        header = convert_snapshot(args.src, args.dst, to=args.to, progress=Progress("writing"), **identity)
-    else:
-        header = convert_prompt_cache(
-            args.src, args.dst, tokens=tokens, progress=Progress("writing"), format=args.to, **identity
-        )
+    header = convert(args.src, args.dst, to=args.to, tokens=tokens, progress=Progress("writing"), **identity)
     kinds = [e["kind"] for e in header["caches"]]
     print(
         f"wrote {args.dst} ({args.to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "

@@ -29,7 +29,7 @@ import mlx.core as mx
 from .caches.schemes import make_cache, parse_scheme
 from .checks import is_count, is_int
 from .errors import CacheConfigError, GenerationFinishedError, SnapshotError
-from .formats.mlxkv import load, save
+from .formats.table import load, save
 from .state.checkpoint import FIELD, POLICY_VERSION, Checkpoint, own_state, read_checkpoint
 from .state.generation_key import generation_key
 from .state.sampler import Sampler, SamplerV1, sampler_from_policy

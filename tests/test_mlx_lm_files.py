@@ -15,10 +15,10 @@ from mlxkv.formats.mlxlm import (
     MissingTokensError,
     OldPromptCacheLayoutError,
     UnsupportedPromptCacheClassError,
-    convert_prompt_cache,
     parse_tokens,
     read_prompt_cache,
 )
+from mlxkv.formats.table import convert_prompt_cache
 from mlxkv.models.seeded import prompt
 
 PROMPT = 40  # > gemma3's 32-slot sliding window: its rings have wrapped

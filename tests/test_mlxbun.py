@@ -386,9 +386,9 @@ def test_every_layer_mlx_bun_can_hold_goes_there_and_back_exactly(fx, tmp_path):
 def test_mlxkv_to_mlx_bun_to_mlxkv_is_byte_identical(fx, tmp_path):
     src = ROOT / fx["file"]
     bun, back = tmp_path / "x.mlxkv", tmp_path / "back.safetensors"
-    mlxkv.formats.mlxbun.convert_snapshot(str(src), str(bun), to="mlx-bun")
+    mlxkv.formats.table.convert(str(src), str(bun), to="mlx-bun")
     mlxkv.verify(str(bun))
-    mlxkv.formats.mlxbun.convert_snapshot(str(bun), str(back), to="mlxkv")
+    mlxkv.formats.table.convert(str(bun), str(back), to="mlxkv")
     if filecmp.cmp(src, back, shallow=False):
         return
     # JSON.stringify has one number type: a checkpoint's 0.0 comes back as 0 (and equal to it);
@@ -410,7 +410,7 @@ def _mlxkv_string(path):
 def test_what_mlx_bun_cannot_hold_is_refused_before_writing(fx, tmp_path):
     out = tmp_path / "x.mlxkv"
     with pytest.raises(errors.UnsupportedKindError, match="nothing was written") as e:
-        mlxkv.formats.mlxbun.convert_snapshot(str(ROOT / fx["file"]), str(out), to="mlx-bun")
+        mlxkv.formats.table.convert(str(ROOT / fx["file"]), str(out), to="mlx-bun")
     assert isinstance(e.value, errors.SnapshotError) and not out.exists() and os.listdir(tmp_path) == []
 
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import mlxkv
 from mlxkv.caches.schemes import make_cache
-from mlxkv.formats.mlxkv import FORMAT_VERSION
+from mlxkv.formats.mlxkv_header import FORMAT_VERSION
 from mlxkv.models.seeded import prompt
 
 SLOTS = {

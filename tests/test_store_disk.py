@@ -15,7 +15,7 @@ from helpers import data_start, flip_bit, rewrite_header
 from store_helpers import build, continuation, forward
 
 from mlxkv import PromptStore, Sampler, Session, request_key
-from mlxkv.formats.mlxkv import FORMAT_VERSION
+from mlxkv.formats.mlxkv_header import FORMAT_VERSION
 from mlxkv.models.seeded import prompt, tokenizer
 
 CAP = 64 << 20

@@ -4,7 +4,7 @@ Reading: the container (``io/mlxbun.py``) gives the raw header and the slots; ea
 cache entry is translated into the mlxkv header entry of the same persisted kind (slot names,
 ``keep`` 0 for rings, ``size`` 2 for ``ssm``, the reuse floor), checked by mlxkv's own codec
 (``codec.check``) and decoded by it (``codec.decode``), so both formats share every check.
-The result is a :class:`MlxBunSnapshot`: a :class:`~mlxkv.formats.mlxkv.Snapshot` whose
+The result is a :class:`MlxBunSnapshot`: a :class:`~mlxkv.formats.snapshot.Snapshot` whose
 header is an mlxkv header (``codecProvider`` ``"mlx-bun"``, ``formatVersion`` the mlx-bun
 version) plus ``mlxBun``, what only the mlx-bun file says, and whose ``attachments`` hold
 mlx-bun's companion tensors.
@@ -15,11 +15,8 @@ appended last). Kinds mlx-bun has no codec for, rings that keep leading position
 pending conversions are refused before anything is written.
 """
 
-import calendar
-import contextlib
 import json
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,9 +38,9 @@ from ..io.tensor_reader import TensorReader, check_allocation
 from ..kinds.entries import decode_entries, encode_layer
 from ..state.checkpoint import describe as describe_checkpoint
 from ..state.checkpoint import normalized, read_checkpoint
-from ..state.identity import RECORDED_FIELDS, Identity, check_expected
-from .mlxkv import Snapshot, check_for_model
+from ..state.identity import RECORDED_FIELDS, Identity, check_expected, check_for_model
 from .mlxkv_header import check_position, check_tokens
+from .snapshot import Snapshot, epoch_ms, iso_time
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
@@ -66,27 +63,14 @@ class MlxBunSnapshot(Snapshot):
     attachments: list = field(default_factory=list)
     source: dict = field(default_factory=dict)
 
+    @property
+    def created_at(self) -> int:
+        """The creation time as the file records it: milliseconds since the epoch."""
+        return self.header["mlxBun"]["createdAt"]
+
 
 #: the latest createdAt a file may record: 9999-12-31T23:59:59.999Z (an ISO year has 4 digits)
 MAX_CREATED_AT = 253402300799999
-
-
-def iso_time(ms: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))
-
-
-def epoch_ms(created_at) -> int:
-    """mlx-bun's ``createdAt`` from None (now), milliseconds, or mlxkv's ISO form."""
-    if created_at is None:
-        return int(time.time() * 1000)
-    if is_int(created_at):
-        return created_at
-    try:
-        return calendar.timegm(time.strptime(created_at, "%Y-%m-%dT%H:%M:%SZ")) * 1000
-    except (TypeError, ValueError):
-        raise SnapshotError(
-            f"created_at {created_at!r}: give milliseconds since the epoch or 'YYYY-MM-DDTHH:MM:SSZ'"
-        ) from None
 
 
 # -- reading: mlx-bun entries as mlxkv entries -----------------------------------------------
@@ -202,19 +186,9 @@ def translate(f: container.MlxBunHeader) -> tuple[dict, list]:
     return header, layers
 
 
-def _opened(source) -> contextlib.AbstractContextManager:
-    """An open mlx-bun file for ``source``: a path (opened here, closed after) or a file a
-    caller opened (``open_container``), which it closes."""
-    if isinstance(source, container.MlxBunFile):
-        return contextlib.nullcontext(source)
-    return container.MlxBunFile(source)
-
-
-def read_mlx_bun_header(source) -> dict:
-    """The translated, checked header of an mlx-bun file (a path or an open
-    :class:`~mlxkv.io.mlxbun.MlxBunFile`); no tensor bytes are read."""
-    with _opened(source) as f:
-        return translate(f.header)[0]
+def read_mlx_bun_header(f: container.MlxBunFile) -> dict:
+    """The translated, checked header of an open mlx-bun file; no tensor bytes are read."""
+    return translate(f.header)[0]
 
 
 def _restored_bytes(slot: container.Slot, rows) -> int:
@@ -242,7 +216,7 @@ def _read_arrays(f: container.MlxBunFile, requests, verify: bool, progress) -> d
 
 
 def load_mlx_bun(
-    source,
+    f: container.MlxBunFile,
     model=None,
     *,
     verify: bool = True,
@@ -251,25 +225,24 @@ def load_mlx_bun(
     check: Callable[[str, dict], None] | None = None,
     **expect,
 ) -> MlxBunSnapshot:
-    """Restore an mlx-bun file (a path or an open :class:`~mlxkv.io.mlxbun.MlxBunFile`) as
-    mlxkv caches (``mlxkv.load`` routes here by the magic).
+    """Restore an open mlx-bun file as mlxkv caches (``mlxkv.load`` comes here through the
+    format table, by the file's magic).
 
     Every header check passes before an array is allocated; the tensors are then read through
     the descriptor the header came from, ``verify`` checking every tensor's wyhash (format 5:
     every block's sha256) on the bytes as they are read. mlx-bun itself checks them only on
     request, mlxkv by default."""
-    with _opened(source) as f:
-        h, where = f.header, f.where
-        header, layers = translate(h)
-        check_expected(where, header, expect)
-        if model is not None:
-            check_for_model(where, header, model, allow_other_model)
-        if check is not None:
-            check(f.path, header)
-        codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
-        requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
-        requests += [(s, None) for group in h.attachments for s in group]
-        arrays = _read_arrays(f, requests, verify, progress)
+    h, where = f.header, f.where
+    header, layers = translate(h)
+    check_expected(where, header, expect)
+    if model is not None:
+        check_for_model(where, header, model, allow_other_model)
+    if check is not None:
+        check(f.path, header)
+    codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
+    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
+    requests += [(s, None) for group in h.attachments for s in group]
+    arrays = _read_arrays(f, requests, verify, progress)
     # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
     by_name = {
         ref["name"]: arrays.pop(s.info.name) for layer in layers for ref, s in zip(layer.entry["tensors"], layer.slots)
@@ -289,22 +262,21 @@ def load_mlx_bun(
     return MlxBunSnapshot(caches, list(header["tokens"]), header, f.path, attachments, h.header)
 
 
-def verify_mlx_bun(source, progress: Callable[[int, int], None] | None = None) -> dict:
+def verify_mlx_bun(f: container.MlxBunFile, progress: Callable[[int, int], None] | None = None) -> dict:
     """Check the header hash, every entry, and every tensor hash (block sha256 in format 5),
-    all through the one open file (a path or an open ``MlxBunFile``); returns the header."""
-    with _opened(source) as f:
-        h = f.header
-        header, _ = translate(h)
-        reader = TensorReader(f) if h.layout == "whole" else None
-        done, total = 0, sum(s.nbytes for s in h.slots())
-        for slot in h.slots():
-            if reader is not None:
-                reader.verify(slot.info.name, slot.hash)
-            else:
-                container.verify_blocks(h, slot)
-            done += slot.nbytes
-            if progress:
-                progress(done, total)
+    all through the one open file; returns the translated header."""
+    h = f.header
+    header, _ = translate(h)
+    reader = TensorReader(f) if h.layout == "whole" else None
+    done, total = 0, sum(s.nbytes for s in h.slots())
+    for slot in h.slots():
+        if reader is not None:
+            reader.verify(slot.info.name, slot.hash)
+        else:
+            container.verify_blocks(h, slot)
+        done += slot.nbytes
+        if progress:
+            progress(done, total)
     return header
 
 
@@ -365,6 +337,11 @@ def container_arrays(x) -> list:
 
 
 def _attachments(attachments) -> tuple[list, list]:
+    if attachments and not isinstance(attachments, (list, tuple)):
+        raise SnapshotError(
+            "attachments: mlx-bun's are a list of {'schema', 'metadata', 'tensors'}; mlxkv's JSON "
+            "attachments have no mlx-bun form, so nothing is written rather than drop them"
+        )
     entries, arrays = [], []
     for i, att in enumerate(attachments or []):
         schema, metadata, tensors = (att.get(k) for k in ("schema", "metadata", "tensors"))
@@ -410,14 +387,8 @@ def save_mlx_bun(
         entries.append(entry)
         arrays += a
     att_entries, att_arrays = _attachments(attachments)
-    header = {
-        "formatVersion": 4 if att_entries else 3,
-        "createdAt": epoch_ms(created_at),
-        "modelId": model_id,
-        "configFingerprint": config_fingerprint,
-        "tokenizerHash": tokenizer_hash,
-        "ns": ns,
-    }
+    identity = Identity(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash, ns=ns)
+    header = {"formatVersion": 4 if att_entries else 3, "createdAt": epoch_ms(created_at), **identity.header_fields()}
     if generation_checkpoint is not None:  # mlx-bun's fields; mlxkv's own state rides along
         header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
     if att_entries:
@@ -432,70 +403,13 @@ def save_mlx_bun(
     )
 
 
-# -- conversion and description ----------------------------------------------------------------
+# -- description ------------------------------------------------------------------------------
 
 
-def file_format(path: str) -> str:
-    """``"mlx-bun"``, ``"mlxkv"`` (a snapshot) or ``"mlx-lm"`` (any other safetensors file)."""
-    from ..io.containers import open_container
-
-    with open_container(path) as f:
-        if isinstance(f, container.MlxBunFile):
-            return "mlx-bun"
-        return "mlxkv" if "mlxkv" in f.header.metadata else "mlx-lm"
-
-
-def convert_snapshot(src: str, dst: str, to: str = "mlxkv", progress=None, **identity) -> dict:
-    """Rewrite the snapshot ``src`` (mlxkv or mlx-bun) as ``to`` at ``dst``: the same caches,
-    tokens, identity (``identity`` overrides fields), checkpoint and creation time. Returns
-    the written header. Attachments cross only between mlx-bun files: an mlxkv snapshot
-    holds cache tensors only, so converting a file with attachments to mlxkv is refused."""
-    from .mlxkv import load, save
-
-    snap = load(src)
-    h = snap.header
-    ident = Identity.from_header(h).replace(**identity).keywords()
-    created = h["mlxBun"]["createdAt"] if isinstance(snap, MlxBunSnapshot) else h.get("createdAt")
-    bun_attachments = snap.attachments if isinstance(snap, MlxBunSnapshot) else []
-    checkpoint = h.get("generationCheckpoint")
-    if to == "mlxkv":
-        if bun_attachments:
-            raise SnapshotError(
-                f"{src}: its mlx-bun attachments ({', '.join(a['schema'] for a in bun_attachments)}) carry tensors; "
-                "an mlxkv snapshot holds cache tensors only, so the conversion is refused rather than drop them"
-            )
-        mlxkv_attachments = None if isinstance(snap, MlxBunSnapshot) else h.get("attachments")
-        return save(
-            dst,
-            snap.caches,
-            snap.tokens,
-            **ident,
-            generation_checkpoint=checkpoint,
-            attachments=mlxkv_attachments,
-            created_at=iso_time(epoch_ms(created)),
-            progress=progress,
-        )
-    if to == "mlx-bun":
-        if not isinstance(snap, MlxBunSnapshot) and h.get("attachments"):
-            raise SnapshotError(f"{src}: mlxkv attachments have no mlx-bun form (mlx-bun attachments hold tensors)")
-        return save_mlx_bun(
-            dst,
-            snap.caches,
-            snap.tokens,
-            **ident,
-            generation_checkpoint=checkpoint,
-            attachments=bun_attachments,
-            created_at=created,
-            progress=progress,
-        )
-    raise SnapshotError(f"unknown snapshot format {to!r}: 'mlxkv' or 'mlx-bun'")
-
-
-def describe(source) -> tuple[list, list, list]:
-    """What ``mlxkv inspect`` prints for an mlx-bun file (a path or an open
-    :class:`~mlxkv.io.mlxbun.MlxBunFile`): (general rows, table headers, rows)."""
-    with _opened(source) as opened:
-        f = opened.header
+def describe_mlx_bun(file: container.MlxBunFile) -> tuple[list, list, list]:
+    """What ``mlxkv inspect`` prints for an open mlx-bun file: (general rows, table headers,
+    rows)."""
+    f = file.header
     path = f.path
     header, layers = translate(f)
     raw = f.header

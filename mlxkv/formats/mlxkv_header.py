@@ -1,7 +1,8 @@
 """The mlxkv header of a snapshot, checked before a single tensor byte is read.
 
 ``check_header`` applies steps 9-19 of docs/format.md section 8, in that order, to a
-safetensors header the io layer has checked (steps 1-8): the metadata keys, the header
+safetensors header the io layer has checked (steps 1-8; a file's, or one a prompt store's
+shared tier assembled from a manifest): the metadata keys, the header
 checksum, the version, the provider, every field's type and range, every tensor reference,
 and each kind's own rules. Whatever it accepts, a reader can restore without allocating
 more than the header announces; whatever it refuses raises a :class:`SnapshotError`
@@ -29,7 +30,7 @@ STRING_FIELDS = ("createdAt", *RECORDED_FIELDS)
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
-def _looks_like_a_known_key(key: str) -> bool:
+def looks_like_a_known_key(key: str) -> bool:
     """A metadata key in mlxkv's namespace, or one or two characters away from one of its
     two keys: what a damaged ``mlxkv`` or ``mlxkv.crc32`` would look like."""
     if key.startswith(META_KEY):
@@ -37,10 +38,17 @@ def _looks_like_a_known_key(key: str) -> bool:
     return any(len(key) == len(k) and sum(a != b for a, b in zip(key, k)) <= 2 for k in (META_KEY, META_CRC_KEY))
 
 
+def not_a_snapshot(path: str) -> SnapshotError:
+    """The refusal of a safetensors file with no mlxkv header (an mlx-lm prompt cache, weights)."""
+    return SnapshotError(
+        f"{path}: not an mlxkv snapshot (no {META_KEY!r} metadata); for an mlx-lm prompt-cache file use `mlxkv convert`"
+    )
+
+
 def _checked_text(st: SafetensorsHeader) -> tuple[str, str | None, list[str]]:
     """(the mlxkv string, its checksum or None, metadata keys that look damaged)."""
     path, meta = st.path, st.metadata
-    suspicious = sorted(k for k in meta if k not in (META_KEY, META_CRC_KEY) and _looks_like_a_known_key(k))
+    suspicious = sorted(k for k in meta if k not in (META_KEY, META_CRC_KEY) and looks_like_a_known_key(k))
     text = meta.get(META_KEY)
     if text is None:
         if suspicious:
@@ -48,10 +56,7 @@ def _checked_text(st: SafetensorsHeader) -> tuple[str, str | None, list[str]]:
                 f"{path}: damaged metadata: no {META_KEY!r} key, but {suspicious[0][:40]!r}, which looks like a "
                 "damaged mlxkv key"
             )
-        raise SnapshotError(
-            f"{path}: not an mlxkv snapshot (no {META_KEY!r} metadata); "
-            "for an mlx-lm prompt-cache file use `mlxkv convert`"
-        )
+        raise not_a_snapshot(path)
     crc = meta.get(META_CRC_KEY)
     if crc is not None and (not _HEX8.fullmatch(crc) or crc != crc32_hex(text.encode())):
         raise CorruptSnapshotError(f"{path}: checksum mismatch in the snapshot header: the file is damaged")

@@ -1,4 +1,4 @@
-"""Reading mlx-lm's own prompt-cache files (``mlx_lm.models.cache.save_prompt_cache``).
+"""mlx-lm's own prompt-cache files (``mlx_lm.models.cache.save_prompt_cache``), read.
 
 The current mlx-lm layout (since ml-explore/mlx-lm PR #1778, which put the scalars into
 each cache's ``state`` and dropped ``meta_state``) is a safetensors file whose
@@ -17,11 +17,11 @@ refused with a message saying how to re-save it.
 
 Class names are mapped explicitly to mlxkv caches (never looked up by name); any other
 class raises :class:`UnsupportedPromptCacheClassError`. mlx-lm files do not record the tokens
-their caches cover; see :func:`convert_prompt_cache` for where mlxkv takes them from.
+their caches cover, so they are no snapshot to load: the format table converts them
+(:func:`convert_source`; ``mlxkv.convert_prompt_cache`` says where the tokens come from).
 """
 
 import json
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +35,8 @@ from ..checks import is_count, is_int_list
 from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
 from ..io.safetensors import SafetensorsFile
 from ..io.tensor_reader import TensorReader
-from .mlxkv import META_KEY, save
+from .mlxkv_header import META_KEY, not_a_snapshot
+from .snapshot import Snapshot
 
 TOKENS_METADATA_KEY = "tokens"
 
@@ -342,43 +343,23 @@ def parse_tokens(text: str) -> list[int]:
     return values
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet): not the same file
-        return False
+def refuse(file, *args, **kwargs):
+    """What reading an mlx-lm file as a snapshot does (``mlxkv.load``, ``read_header``,
+    ``verify``, ``inspect``): refuse it, naming the conversion."""
+    raise not_a_snapshot(file.path)
 
 
-def convert_prompt_cache(
-    src: str,
-    dst: str,
-    tokens: Sequence[int] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    format: str = "mlxkv",
-    **identity,
-) -> dict:
-    """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``
-    (``format="mlx-bun"``: into an mlx-bun cache file).
-
-    The snapshot records the exact tokens its caches cover, which mlx-lm files do not:
-    they come from ``tokens`` or else from a ``tokens`` entry (a JSON list) in the file's
-    metadata; with neither, the conversion is refused (MissingTokensError) rather than
-    writing tokens that could make a prefix match lie. ``identity`` (model_id,
-    config_fingerprint, tokenizer_hash, ns) goes to the header; ``model_id`` defaults to
-    the ``model`` entry ``mlx_lm.cache_prompt`` writes. Returns the snapshot header.
-    """
-    if _same_file(src, dst):
-        raise SnapshotError(
-            f"{dst}: is the file being converted ({src}): writing there would replace the source; "
-            "choose another destination"
-        )
-    pc = read_prompt_cache(src, tokens)
+def convert_source(file: SafetensorsFile, tokens: Sequence[int] | None) -> Snapshot:
+    """What a conversion takes from an open mlx-lm prompt-cache file: its caches, the tokens
+    they cover (``tokens``, else the file's ``tokens`` metadata; with neither the conversion
+    is refused rather than write tokens that could make a prefix match lie) and the model id
+    ``mlx_lm.cache_prompt`` records (``model``)."""
+    pc = _read_prompt_cache(file, tokens)
     if pc.tokens is None:
         raise MissingTokensError(
-            f"{src}: mlx-lm prompt-cache files do not record their tokens and this one covers "
+            f"{pc.path}: mlx-lm prompt-cache files do not record their tokens and this one covers "
             f"{pc.offset} positions: pass the {pc.offset} token ids the cache was built from "
             "(convert_prompt_cache(..., tokens=ids), or `mlxkv convert SRC DST --tokens "
             "1,2,3` / `--tokens @ids.json`)"
         )
-    identity.setdefault("model_id", pc.metadata.get("model", ""))
-    return save(dst, pc.caches, pc.tokens, progress=progress, format=format, **identity)
+    return Snapshot(pc.caches, pc.tokens, {"modelId": pc.metadata.get("model", "")}, pc.path)

@@ -1,2 +1,3 @@
-"""State: the kind table, snapshots, sessions, identity, reuse rules and stores, composed
-from the layers below."""
+"""State besides the caches, that files record and the store and sessions share: identity
+(who a snapshot belongs to), generation checkpoints, sampling and the request key, and the
+prefix-reuse rules; and the prompt store (``store/``)."""

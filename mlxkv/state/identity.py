@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..caches.schemes import attention_geometry, make_cache, model_config
-from ..errors import IdentityMismatchError, SnapshotError
+from ..errors import GeometryMismatchError, IdentityMismatchError, SnapshotError
+from ..families import family_of_persisted
 from ..io.safetensors import array_buffer, crc32
 
 #: Python keyword -> header field of everything an identity holds, in header order. Every
@@ -246,3 +247,43 @@ class Geometry:
 
 def model_geometry(model) -> Geometry:
     return Geometry(len(make_cache(model, "bf16")), *attention_geometry(model))
+
+
+def check_model_identity(where, header, model):
+    """A snapshot that records a model fingerprint loads only into that model."""
+    recorded = header.get("configFingerprint")
+    if not recorded:
+        return  # saved without a model: nothing to compare (the geometry still is)
+    mine = model_fingerprint(model)
+    if recorded != mine and recorded != legacy_config_fingerprint(model):
+        raise IdentityMismatchError(
+            f"{where}: the snapshot was computed by another model (fingerprint {recorded[:16]}..., "
+            f"this model's is {mine[:16]}...; modelId {header.get('modelId')!r}): its caches would make this "
+            "model generate garbage. Pass allow_other_model=True to load it anyway"
+        )
+
+
+def check_geometry(where, header, model):
+    geo = model_geometry(model)
+    entries = header["caches"]
+    if len(entries) != geo.layers:
+        raise GeometryMismatchError(f"{where}: snapshot has {len(entries)} cache layers, the model has {geo.layers}")
+    for i, entry in enumerate(entries):
+        shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
+        g = family_of_persisted(entry["kind"]).codec.geometry(entry, shapes)
+        if g is None:
+            continue
+        heads, dim = g
+        if (geo.kv_heads is not None and heads != geo.kv_heads) or (geo.head_dim is not None and dim != geo.head_dim):
+            raise GeometryMismatchError(
+                f"{where}: layer {i} stores {heads} kv heads of dim {dim}; the model has "
+                f"{geo.kv_heads} kv heads of dim {geo.head_dim}"
+            )
+
+
+def check_for_model(where, header, model, allow_other_model: bool = False):
+    """What loading ``header`` into ``model`` needs: its recorded fingerprint (unless
+    ``allow_other_model``), then its layer count and head geometry."""
+    if not allow_other_model:
+        check_model_identity(where, header, model)
+    check_geometry(where, header, model)

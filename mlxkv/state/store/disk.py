@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ...errors import FormatVersionError, MLXKVError, SnapshotError, UnknownKindError
-from ...formats.mlxkv import read, read_header, write
+from ...formats.mlxkv import read, write
+from ...formats.table import read_header
 from ...io import temporaries
 from ..identity import Identity
 from ..reuse import prefix_for, probe

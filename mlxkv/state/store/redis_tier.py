@@ -24,7 +24,7 @@ import numpy as np
 import redis
 
 from ...errors import MLXKVError, SnapshotError
-from ...formats.mlxkv import META_CRC_KEY, META_KEY, parse_header
+from ...formats.mlxkv_header import META_CRC_KEY, META_KEY, check_header
 from ...io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer, crc32, crc32_hex, dtype_name
 from ..identity import Identity
 from ..reuse import prefix_for, probe
@@ -207,7 +207,7 @@ class RedisTier:
             for t in cache.get("tensors", []):
                 tensors[t["name"]] = TensorInfo(t["name"], t["dtype"], list(t["shape"]), 0, 0)
         st = SafetensorsHeader("redis manifest", {META_KEY: text, META_CRC_KEY: m["headerCrc32"]}, tensors, 0, 0)
-        header = parse_header(st)
+        header = check_header(st)
         if not self.identity.serves(header):
             raise SnapshotError("a manifest of another identity")
         sizes = {}
