@@ -59,18 +59,18 @@ class BunParts:
         self.header = json.loads(data[PREFIX_LEN : PREFIX_LEN + header_len])
         self.tensors = {}  # "caches.i.j" -> bytes (formats 3, 4)
         if self.header["formatVersion"] != 5:
-            for name, slot in slots(self.header):
-                at = self.data_start + slot["off"]
-                self.tensors[name] = bytearray(data[at : at + slot["bytes"]])
+            for name, record in records(self.header):
+                at = self.data_start + record["off"]
+                self.tensors[name] = bytearray(data[at : at + record["bytes"]])
 
     def build(self, relayout=True, tensor_hashes=True, header_hash=True, data_start=None, text=None) -> bytes:
-        """The file again. ``relayout``: every slot naming a stored tensor gets mlx-bun's
+        """The file again. ``relayout``: every tensor record naming a stored tensor gets mlx-bun's
         offsets for the bytes it has, and ``dataStart`` follows the header; else offsets and
         ``dataStart`` stay. ``text`` replaces the header JSON (its hash still recomputed
         unless ``header_hash`` is False)."""
         h = self.header
         five = isinstance(h, dict) and h.get("formatVersion") == 5
-        placed = [(name, s) for name, s in slots(h) if name in self.tensors]
+        placed = [(name, s) for name, s in records(h) if name in self.tensors]
         if relayout:
             cursor = 0
             for name, s in placed:
@@ -104,8 +104,8 @@ class BunParts:
         return wyhash(raw) ^ 1  # a hash that does not match
 
 
-def slots(header):
-    """(name, slot dict) of every slot of a header, whatever an edit made of it."""
+def records(header):
+    """(name, tensor record dict) of every tensor record of a header, whatever an edit made of it."""
     out = []
     if not isinstance(header, dict):
         return out
@@ -143,7 +143,7 @@ def m_crafted(rng, data, parts):
     parts.header = _edit_json(rng, parts.header)
     relayout = rng.random() < 0.5
     if relayout and parts.tensors and rng.random() < 0.4:  # a shape changed with its bytes, consistently
-        name, s = rng.choice([(n, s) for n, s in slots(parts.header) if n in parts.tensors] or [(None, None)])
+        name, s = rng.choice([(n, s) for n, s in records(parts.header) if n in parts.tensors] or [(None, None)])
         shape = s.get("shape") if s else None
         if isinstance(shape, list) and shape and all(type(d) is int and 0 <= d < 2**16 for d in shape):
             old, raw = max(1, _prod(shape)), parts.tensors[name]
@@ -162,9 +162,11 @@ def _prod(shape):
     return p
 
 
-def _a_slot(rng, parts, stored=True):
+def _a_record(rng, parts, stored=True):
     named = [
-        (n, s) for n, s in slots(parts.header) if not stored or n in parts.tensors or parts.header["formatVersion"] == 5
+        (n, s)
+        for n, s in records(parts.header)
+        if not stored or n in parts.tensors or parts.header["formatVersion"] == 5
     ]
     return rng.choice(named)
 
@@ -173,7 +175,7 @@ def _hostile(rng, data, parts):
     """One bound broken, every hash recomputed: a reader must refuse it."""
     h = parts.header
     five = h["formatVersion"] == 5
-    name, s = _a_slot(rng, parts)
+    name, s = _a_record(rng, parts)
     choice = rng.randrange(16)
     relayout, data_start, tensor_hashes = True, None, True
     if choice == 0:  # a dtype code mlx-c does not have, or mlxkv cannot hold, or not an int
@@ -197,7 +199,7 @@ def _hostile(rng, data, parts):
         s["bytes"] = rng.choice((s["bytes"] + 1, s["bytes"] + 16384, 2**53 - 1, -1, 2**40, 1.0, "1"))
     elif choice == 3:  # an off outside the file or overlapping another tensor
         relayout = False
-        stored = [(n, x) for n, x in slots(h) if n in parts.tensors and parts.tensors[n]]
+        stored = [(n, x) for n, x in records(h) if n in parts.tensors and parts.tensors[n]]
         if not five and len(stored) > 1 and rng.random() < 0.4:
             (_, a), (_, b) = rng.sample(stored, 2)
             b["off"] = a["off"] + rng.randrange(max(1, min(a["bytes"], b["bytes"])))
@@ -230,7 +232,7 @@ def _hostile(rng, data, parts):
         h["caches"][0]["kind"] = rng.choice(("paged", "mla", "kv2", "", None, 7))
     elif choice == 10:  # createdAt no ISO time shows
         h["createdAt"] = rng.choice((-1, 2**53 - 1, 253402300800000, "2026", 1.5, None))
-    elif choice == 11:  # a slot with a key too many or one missing
+    elif choice == 11:  # a tensor record with a key too many or one missing
         relayout = False  # it would add a missing off back
         if rng.random() < 0.5:
             s[rng.choice(("extra", "blocks" if not five else "crc32", "Off"))] = 0
@@ -244,7 +246,7 @@ def _hostile(rng, data, parts):
             e["offset"] = rng.choice((2**31, 2**40, -1, True, None))
         else:
             e["minimumReusableOffset"] = rng.choice((e["offset"] + 1, -1, 2**31, True))
-    elif choice == 13 and five:  # a block reference that is no block of this slot
+    elif choice == 13 and five:  # a block reference that is no block of this tensor
         blocks = s["blocks"]
         k = rng.randrange(len(blocks)) if blocks else None
         options = ["list", "extra", "sum"] + (["name", "size", "zero", "drop", "absent"] if blocks else [])
@@ -375,7 +377,7 @@ def make_case(corpus: BunCorpus, seed: int, index: int):
     out, expect = MUTATORS[mutation](rng, data, BunParts(data))
     edits = {}
     if mutation == "block-damage":
-        used = [d for _, s in slots(BunParts(data).header) for d in (b["hash"] for b in s["blocks"])]
+        used = [d for _, s in records(BunParts(data).header) for d in (b["hash"] for b in s["blocks"])]
         digest_ = rng.choice(used)
         raw = bytearray(open(os.path.join(corpus.blocks, digest_), "rb").read())
         what = rng.randrange(4)

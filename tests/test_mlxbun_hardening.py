@@ -12,7 +12,7 @@ import tracemalloc
 import mlx.core as mx
 import pytest
 from fuzzing import DEFECTS, deep, dumps
-from fuzzing_mlxbun import MUTATIONS, BunCorpus, BunParts, make_case, run_bun_case, slots
+from fuzzing_mlxbun import MUTATIONS, BunCorpus, BunParts, make_case, records, run_bun_case
 from helpers import replace_before_tensors
 from test_stress import stress
 
@@ -46,7 +46,7 @@ def _craft(path: str, edit=None, text=None, **build) -> None:
         f.write(data)
 
 
-def _slot(h, i=0, j=0):
+def _record(h, i=0, j=0):
     return h["caches"][i]["tensors"][j]
 
 
@@ -70,49 +70,61 @@ HEADERS = {
     "not an object": ("kv-v3", None, lambda h: "[]", {}, "not a JSON object"),
     "a shape of 2**64 elements in zero bytes": (
         "kv-v3",
-        lambda h: _slot(h).update(shape=[2**32, 2**32, 0], bytes=0),
+        lambda h: _record(h).update(shape=[2**32, 2**32, 0], bytes=0),
         None,
         {},
         "shape must be a list of at most 8 integers",
     ),
     "a shape of 9 dimensions": (
         "kv-v3",
-        lambda h: _slot(h).update(shape=[1] * 5 + _slot(h)["shape"]),
+        lambda h: _record(h).update(shape=[1] * 5 + _record(h)["shape"]),
         None,
         {},
         "at most 8 integers",
     ),
-    "a negative dimension": ("kv-v3", lambda h: _slot(h)["shape"].__setitem__(0, -1), None, {}, "shape must be"),
+    "a negative dimension": ("kv-v3", lambda h: _record(h)["shape"].__setitem__(0, -1), None, {}, "shape must be"),
     "shape and bytes of 2 GiB, consistent, past the end": (
         "kv-v3",
-        lambda h: _slot(h).update(shape=[1, 2, 2**23, 64], bytes=2**31),
+        lambda h: _record(h).update(shape=[1, 2, 2**23, 64], bytes=2**31),
         None,
         {},
         "truncated: tensor caches.0.0 ends at byte",
     ),
-    "bytes that do not hold the shape": ("kv-v3", lambda h: _slot(h).update(bytes=1793), None, {}, "do not hold shape"),
-    "bytes beyond 2**53": ("kv-v3", lambda h: _slot(h).update(bytes=2**53 + 4), None, {}, "beyond"),
+    "bytes that do not hold the shape": (
+        "kv-v3",
+        lambda h: _record(h).update(bytes=1793),
+        None,
+        {},
+        "do not hold shape",
+    ),
+    "bytes beyond 2**53": ("kv-v3", lambda h: _record(h).update(bytes=2**53 + 4), None, {}, "beyond"),
     "an off past the end": (
         "kv-v3",
-        lambda h: _slot(h).update(off=2**53 - 1),
+        lambda h: _record(h).update(off=2**53 - 1),
         None,
         {"relayout": False},
         "ends at byte",
     ),
-    "a negative off": ("kv-v3", lambda h: _slot(h).update(off=-1), None, {"relayout": False}, "must be integers >= 0"),
-    "a float off": ("kv-v3", lambda h: _slot(h).update(off=0.5), None, {"relayout": False}, "must be integers >= 0"),
-    "dtype code float64": ("kv-v3", lambda h: _slot(h).update(dtype=11), None, {}, "not a dtype mlxkv holds"),
-    "dtype code 99": ("kv-v3", lambda h: _slot(h).update(dtype=99), None, {}, "unknown mlx-c dtype code 99"),
-    "dtype true": ("kv-v3", lambda h: _slot(h).update(dtype=True), None, {}, "is not an mlx-c dtype code"),
+    "a negative off": (
+        "kv-v3",
+        lambda h: _record(h).update(off=-1),
+        None,
+        {"relayout": False},
+        "must be integers >= 0",
+    ),
+    "a float off": ("kv-v3", lambda h: _record(h).update(off=0.5), None, {"relayout": False}, "must be integers >= 0"),
+    "dtype code float64": ("kv-v3", lambda h: _record(h).update(dtype=11), None, {}, "not a dtype mlxkv holds"),
+    "dtype code 99": ("kv-v3", lambda h: _record(h).update(dtype=99), None, {}, "unknown mlx-c dtype code 99"),
+    "dtype true": ("kv-v3", lambda h: _record(h).update(dtype=True), None, {}, "is not an mlx-c dtype code"),
     "a hash in capitals": (
         "kv-v3",
-        lambda h: _slot(h).update(hash=_slot(h)["hash"].upper() or "A" * 16),
+        lambda h: _record(h).update(hash=_record(h)["hash"].upper() or "A" * 16),
         None,
         {"tensor_hashes": False},
         "16 lowercase hex digits",
     ),
-    "a slot with an extra key": ("kv-v3", lambda h: _slot(h).update(crc32="00000000"), None, {}, "exactly"),
-    "a slot without off": ("kv-v3", lambda h: _slot(h).pop("off"), None, {"relayout": False}, "exactly"),
+    "a tensor record with an extra key": ("kv-v3", lambda h: _record(h).update(crc32="00000000"), None, {}, "exactly"),
+    "a tensor record without off": ("kv-v3", lambda h: _record(h).pop("off"), None, {"relayout": False}, "exactly"),
     "dataStart inside the header": ("kv-v3", None, None, {"data_start": 30}, "dataStart 30 lies outside"),
     "formatVersion 6": ("kv-v3", lambda h: h.update(formatVersion=6), None, {}, "unsupported formatVersion 6"),
     "formatVersion 3.0": ("kv-v3", lambda h: h.update(formatVersion=3.5), None, {}, "formatVersion 3.5 missing"),
@@ -150,33 +162,39 @@ HEADERS = {
     ),
     "format 5: a block name in capitals": (
         "blocks-v5",
-        lambda h: _slot(h)["blocks"][0].update(hash=_slot(h)["blocks"][0]["hash"].upper()),
+        lambda h: _record(h)["blocks"][0].update(hash=_record(h)["blocks"][0]["hash"].upper()),
         None,
         {},
         "invalid KV block reference",
     ),
     "format 5: a block name leaving the blocks directory": (
         "blocks-v5",
-        lambda h: _slot(h)["blocks"][0].update(hash="../" + _slot(h)["blocks"][0]["hash"][3:]),
+        lambda h: _record(h)["blocks"][0].update(hash="../" + _record(h)["blocks"][0]["hash"][3:]),
         None,
         {},
         "invalid KV block reference",
     ),
     "format 5: a block of 0 bytes": (
         "blocks-v5",
-        lambda h: _slot(h)["blocks"].append({"hash": "a" * 64, "bytes": 0}),
+        lambda h: _record(h)["blocks"].append({"hash": "a" * 64, "bytes": 0}),
         None,
         {},
         "invalid KV block reference",
     ),
     "format 5: blocks that do not add up": (
         "blocks-v5",
-        lambda h: _slot(h)["blocks"].append({"hash": "a" * 64, "bytes": 2}),
+        lambda h: _record(h)["blocks"].append({"hash": "a" * 64, "bytes": 2}),
         None,
         {},
-        r"blocks hold \d+ bytes, the slot",
+        r"blocks hold \d+ bytes, the tensor",
     ),
-    "format 5: a slot hash": ("blocks-v5", lambda h: _slot(h).update(hash="0" * 16), None, {}, 'hash must be ""'),
+    "format 5: a tensor record hash": (
+        "blocks-v5",
+        lambda h: _record(h).update(hash="0" * 16),
+        None,
+        {},
+        'hash must be ""',
+    ),
     "format 5: bytes after the header": ("blocks-v5", None, None, {"data_start": 10**6}, "dataStart"),
 }
 
@@ -223,7 +241,7 @@ def test_damaged_blocks_are_refused_when_read(tmp_path, case):
 # -- 2. nothing is allocated for a size only the header claims ------------------------------------
 
 
-def test_a_format_5_slot_claiming_gigabytes_allocates_nothing_before_its_blocks_are_found(tmp_path):
+def test_a_format_5_tensor_claiming_gigabytes_allocates_nothing_before_its_blocks_are_found(tmp_path):
     path = _base(tmp_path, "blocks-v5")
     missing = "f" * 64
 
@@ -346,7 +364,7 @@ def test_the_fuzzers_file_builder_is_faithful(corpus):
     refusal the fuzz sees comes from its mutation."""
     for name in corpus.names:
         parts = BunParts(corpus.data[name])
-        assert len(slots(parts.header)) > 0
+        assert len(records(parts.header)) > 0
         data = parts.build(relayout=False)
         assert run_bun_case(corpus, name, data, "damaged", {}, False)[0] == "equal", name
 

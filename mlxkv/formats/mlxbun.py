@@ -1,6 +1,6 @@
 """mlx-bun cache files as mlxkv snapshots: translation both ways (docs/mlx-bun.md).
 
-Reading: the container (``io/mlxbun.py``) gives the raw header and the slots; each mlx-bun
+Reading: the container (``io/mlxbun.py``) gives the raw header and its tensor records; each mlx-bun
 cache entry is translated into the mlxkv header entry of the same persisted kind (slot names,
 ``keep`` 0 for rings, ``size`` 2 for ``ssm``, the reuse floor), checked by mlxkv's own codec
 (``codec.check``) and decoded by it (``codec.decode``), so both formats share every check.
@@ -79,7 +79,7 @@ MAX_CREATED_AT = 253402300799999
 @dataclass
 class _Layer:
     entry: dict  # the mlxkv entry
-    slots: list  # container.Slot per mlxkv slot, in order
+    records: list  # the container's TensorRecord of each mlxkv slot, in order
     floor: int
 
 
@@ -92,7 +92,7 @@ def bun_codecs() -> dict:
     return {f.persisted: f.codec for f in families() if f.codec.bun is not None}
 
 
-def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Layer:
+def _translate_entry(where: str, i: int, raw, records: list, tokens: list) -> _Layer:
     """The mlxkv entry of mlx-bun entry ``i`` (step 12 of docs/mlx-bun.md section 8)."""
     kind = raw.get("kind")
     if type(kind) is not str:
@@ -117,10 +117,10 @@ def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Lay
             f"cache entry {i} ({kind}) has fields {sorted(raw)[:12]}; mlx-bun's {kind} has exactly "
             f"{', '.join(['kind', *fields, 'tensors'])} and an optional minimumReusableOffset",
         )
-    if len(slots) != len(names):
+    if len(records) != len(names):
         _corrupt(
             where,
-            f"cache entry {i} ({kind}) has {len(slots)} tensors; mlx-bun's {kind} holds "
+            f"cache entry {i} ({kind}) has {len(records)} tensors; mlx-bun's {kind} holds "
             f"{len(names)} ({', '.join(names)})",
         )
     offset = raw["offset"]
@@ -136,12 +136,18 @@ def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Lay
     entry = {"kind": kind, **{f: given[f] if f in given else form.implied[f] for f in codec.fields}}
     entry["minimumReusableOffset"] = floor
     entry["tensors"] = []
-    for name, slot in zip(names, slots):
-        shape = list(slot.info.shape)
+    for name, record in zip(names, records):
+        shape = list(record.info.shape)
         if form.ring and len(shape) == 4:
             shape[2] = min(offset, shape[2])  # rows past offset are the unwritten tail of the ring
         entry["tensors"].append(
-            {"name": f"caches.{i}.{name}", "slot": name, "dtype": slot.info.dtype, "shape": shape, "wyhash": slot.hash}
+            {
+                "name": f"caches.{i}.{name}",
+                "slot": name,
+                "dtype": record.info.dtype,
+                "shape": shape,
+                "wyhash": record.hash,
+            }
         )
     shapes = {t["slot"]: t["shape"] for t in entry["tensors"]}
     try:
@@ -150,10 +156,10 @@ def _translate_entry(where: str, i: int, raw, slots: list, tokens: list) -> _Lay
         raise CorruptSnapshotError(f"{where}: cache entry {i}: {e}") from None
     check_position(where, i, entry, tokens)
     if form.ring:  # the tail a ring grows never takes it past its window
-        rows = slots[0].info.shape[2]
+        rows = records[0].info.shape[2]
         if rows > entry["maxSize"]:
             _corrupt(where, f"cache entry {i} ({kind}): a ring of {rows} rows, more than maxSize {entry['maxSize']}")
-    return _Layer(entry, list(slots), floor)
+    return _Layer(entry, list(records), floor)
 
 
 def translate(f: container.MlxBunHeader) -> tuple[dict, list]:
@@ -191,16 +197,16 @@ def read_mlx_bun_header(f: container.MlxBunFile) -> dict:
     return translate(f.header)[0]
 
 
-def _restored_bytes(slot: container.Slot, rows) -> int:
-    """Bytes of the array a slot restores to (a growing cache's slack rows included)."""
-    shape = list(slot.info.shape)
+def _restored_bytes(record: container.TensorRecord, rows) -> int:
+    """Bytes of the array a tensor restores to (a growing cache's slack rows included)."""
+    shape = list(record.info.shape)
     if rows is not None and len(shape) == 4 and rows > shape[2]:
         shape[2] = rows
-    return math.prod(shape) * ITEMSIZE[slot.info.dtype]
+    return math.prod(shape) * ITEMSIZE[record.info.dtype]
 
 
 def _read_arrays(f: container.MlxBunFile, requests, verify: bool, progress) -> dict:
-    """name -> array for (slot, rows) requests, each hash checked as it is read (``verify``):
+    """name -> array for (tensor record, rows) requests, each hash checked as it is read (``verify``):
     through ``TensorReader`` on the file's descriptor, or from format 5's blocks."""
     if f.header.layout == "whole":
         reader = TensorReader(f)
@@ -240,12 +246,14 @@ def load_mlx_bun(
     if check is not None:
         check(f.path, header)
     codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
-    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.slots]
+    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.records]
     requests += [(s, None) for group in h.attachments for s in group]
     arrays = _read_arrays(f, requests, verify, progress)
     # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
     by_name = {
-        ref["name"]: arrays.pop(s.info.name) for layer in layers for ref, s in zip(layer.entry["tensors"], layer.slots)
+        ref["name"]: arrays.pop(s.info.name)
+        for layer in layers
+        for ref, s in zip(layer.entry["tensors"], layer.records)
     }
     caches = decode_entries({"caches": [layer.entry for layer in layers]}, by_name, where)
     del by_name
@@ -268,13 +276,13 @@ def verify_mlx_bun(f: container.MlxBunFile, progress: Callable[[int, int], None]
     h = f.header
     header, _ = translate(h)
     reader = TensorReader(f) if h.layout == "whole" else None
-    done, total = 0, sum(s.nbytes for s in h.slots())
-    for slot in h.slots():
+    done, total = 0, sum(r.nbytes for r in h.records())
+    for record in h.records():
         if reader is not None:
-            reader.verify(slot.info.name, slot.hash)
+            reader.verify(record.info.name, record.hash)
         else:
-            container.verify_blocks(h, slot)
-        done += slot.nbytes
+            container.verify_blocks(h, record)
+        done += record.nbytes
         if progress:
             progress(done, total)
     return header
@@ -325,7 +333,7 @@ def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
     else:
         arrays = [a for _, a in slots]
     entry = {"kind": persisted, **{f: int(fields[f]) for f in form.fields(codec)}}
-    entry["tensors"] = [container.new_slot(a) for a in arrays]
+    entry["tensors"] = [container.new_tensor_record(a) for a in arrays]
     floor = int(cache.minimum_reusable_offset)
     if floor or form.floor_at_offset:  # such an entry without it would mean "offset"
         entry["minimumReusableOffset"] = floor
@@ -350,7 +358,7 @@ def _attachments(attachments) -> tuple[list, list]:
         if not all(isinstance(v, (str, int, float, bool)) for v in metadata.values()):
             raise SnapshotError(f"attachment {i} ({schema}): metadata values must be strings, numbers or booleans")
         entries.append(
-            {"schema": schema, "metadata": dict(metadata), "tensors": [container.new_slot(a) for a in tensors]}
+            {"schema": schema, "metadata": dict(metadata), "tensors": [container.new_tensor_record(a) for a in tensors]}
         )
         arrays += list(tensors)
     return entries, arrays
@@ -443,7 +451,7 @@ def describe_mlx_bun(file: container.MlxBunFile) -> tuple[list, list, list]:
         )
         floor = f"{layer.floor}" + ("" if "minimumReusableOffset" in rawe else " (absent)")
         slots = " ".join(
-            f"{t['slot']}:{s.info.dtype}{list(s.info.shape)}@{s.off}" for t, s in zip(e["tensors"], layer.slots)
+            f"{t['slot']}:{s.info.dtype}{list(s.info.shape)}@{s.off}" for t, s in zip(e["tensors"], layer.records)
         )
-        rows.append([i, e["kind"], e["offset"], floor, fields or "-", sum(s.nbytes for s in layer.slots), slots])
+        rows.append([i, e["kind"], e["offset"], floor, fields or "-", sum(s.nbytes for s in layer.records), slots])
     return general, ["layer", "kind", "offset", "minReuse", "fields", "bytes", "tensors (slot:dtype[shape]@off)"], rows

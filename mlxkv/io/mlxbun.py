@@ -3,13 +3,13 @@
 The TypeScript engine mlx-bun writes its SSD-tier cache files in this layout (docs/mlx-bun.md
 is the normative description). This module knows the container only: the 26-byte prefix,
 the header hash (Zig's wyhash), the JSON header's ``caches`` / ``attachments`` lists of
-tensor slots, mlx-c dtype codes, byte ranges, blocks. It knows no cache kind: which slot is
-which, and what the entry fields mean, is the state layer's business (``state/mlxbun.py``).
+tensor records, mlx-c dtype codes, byte ranges, blocks. It knows no cache kind: which record
+holds which slot, and what the entry fields mean, is the format's business (``formats/mlxbun.py``).
 
 Reading: an :class:`MlxBunFile` is opened once (a :class:`~mlxkv.io.tensor_file.TensorFile`,
 like mlxkv's own ``SafetensorsFile``); its ``header`` (:class:`MlxBunHeader`) is checked
 before a tensor byte is read (docs/mlx-bun.md section 8, steps 1-9: the prefix, the header
-hash, JSON as I-JSON restricts it, the version, every slot's ``off``, ``bytes``, ``shape``,
+hash, JSON as I-JSON restricts it, the version, every tensor record's ``off``, ``bytes``, ``shape``,
 ``dtype``, hash and blocks with exact integer arithmetic, the byte ranges against the file,
 the attachments), and :class:`~mlxkv.io.tensor_reader.TensorReader` reads the tensors of a
 "whole" file through the same descriptor, each wyhash checked as it arrives. Format 5's
@@ -54,8 +54,8 @@ CODEC_PROVIDER = "mlx-cache-v3"  # mlx-bun's built-in codec table; absent in ear
 HASH_PLACEHOLDER = "0" * 16
 DEFAULT_BLOCK_BYTES = 1 << 20
 BLOCKS_DIR = "blocks"
-#: the keys of a tensor slot (format 5 adds ``blocks``), of a block reference, of an attachment
-SLOT_KEYS = frozenset({"off", "bytes", "shape", "dtype", "hash"})
+#: the keys of a tensor record (format 5 adds ``blocks``), of a block reference, of an attachment
+RECORD_KEYS = frozenset({"off", "bytes", "shape", "dtype", "hash"})
 BLOCK_KEYS = frozenset({"hash", "bytes"})
 ATTACHMENT_KEYS = frozenset({"schema", "metadata", "tensors"})
 
@@ -107,12 +107,13 @@ def _show(value, n: int = 80) -> str:
 
 
 @dataclass
-class Slot:
-    """One tensor slot of an mlx-bun header: where its bytes are and how to check them."""
+class TensorRecord:
+    """One tensor of an mlx-bun header (mlx-bun's ``TensorSlot``; in mlxkv a slot is the name
+    of an entry's tensor): where its bytes are and how to check them."""
 
     info: TensorInfo  # name "caches.<i>.<j>" / "attachments.<i>.<j>"; absolute offsets (whole layout)
     code: int  # the mlx-c dtype code as stored
-    off: int  # the slot's ``off``, verbatim (relative to dataStart)
+    off: int  # the record's ``off``, verbatim (relative to dataStart)
     hash: str  # 16 hex digits (formats 3, 4); "" in format 5
     blocks: list[tuple[str, int]] = field(default_factory=list)  # format 5: (sha256 hex, bytes)
 
@@ -132,8 +133,8 @@ class MlxBunHeader:
     data_start: int
     header_hash: int
     file_size: int
-    caches: list[list[Slot]]  # per header.caches entry, its slots in order
-    attachments: list[list[Slot]]  # per header.attachments entry
+    caches: list[list[TensorRecord]]  # per header.caches entry, its tensors in order
+    attachments: list[list[TensorRecord]]  # per header.attachments entry
 
     @property
     def where(self) -> str:
@@ -147,13 +148,13 @@ class MlxBunHeader:
     def blocks_dir(self) -> str:
         return os.path.join(os.path.dirname(os.path.abspath(self.path)), BLOCKS_DIR)
 
-    def slots(self) -> list[Slot]:
-        return [s for group in (*self.caches, *self.attachments) for s in group]
+    def records(self) -> list[TensorRecord]:
+        return [r for group in (*self.caches, *self.attachments) for r in group]
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:
-        """Every slot by name, for ``TensorReader`` (format 5 keeps none in the file)."""
-        return {} if self.layout == "blocks" else {s.info.name: s.info for s in self.slots()}
+        """Every tensor by name, for ``TensorReader`` (format 5 keeps none in the file)."""
+        return {} if self.layout == "blocks" else {r.info.name: r.info for r in self.records()}
 
 
 # -- checking the container ------------------------------------------------------------------
@@ -207,49 +208,48 @@ def _check_version(where: str, doc: dict) -> int:
 
 def _parse_blocks(where: str, name: str, raw, nbytes: int) -> list[tuple[str, int]]:
     if type(raw) is not list:
-        _damaged(where, f"tensor slot {name}: blocks must be a list")
+        _damaged(where, f"tensor {name}: blocks must be a list")
     blocks = []
     for b in raw:
         if type(b) is not dict or b.keys() != BLOCK_KEYS:
-            _damaged(where, f"tensor slot {name}: invalid KV block reference {_show(b)} (exactly hash, bytes)")
+            _damaged(where, f"tensor {name}: invalid KV block reference {_show(b)} (exactly hash, bytes)")
         digest, n = b["hash"], b["bytes"]
         if type(digest) is not str or not _SHA256.fullmatch(digest) or not is_count(n) or n == 0:
-            _damaged(where, f"tensor slot {name}: invalid KV block reference {_show(b)}")
+            _damaged(where, f"tensor {name}: invalid KV block reference {_show(b)}")
         blocks.append((digest, n))
     total = sum(n for _, n in blocks)
     if total != nbytes:
-        _damaged(where, f"tensor slot {name}: blocks hold {total} bytes, the slot {nbytes}")
+        _damaged(where, f"tensor {name}: blocks hold {total} bytes, the tensor {nbytes}")
     return blocks
 
 
-def parse_slot(where: str, name: str, raw, version: int) -> tuple:
-    """(dtype name, shape, code, off, bytes, hash, blocks) of one slot, each checked (step 8)."""
-    keys = SLOT_KEYS | {"blocks"} if version == 5 else SLOT_KEYS
+def parse_tensor_record(where: str, name: str, raw, version: int) -> tuple:
+    """(dtype name, shape, code, off, bytes, hash, blocks) of one tensor record, each checked
+    (step 8)."""
+    keys = RECORD_KEYS | {"blocks"} if version == 5 else RECORD_KEYS
     if type(raw) is not dict or raw.keys() != keys:
-        _damaged(where, f"tensor slot {name} is not an object of exactly {', '.join(sorted(keys))}")
+        _damaged(where, f"tensor {name} is not an object of exactly {', '.join(sorted(keys))}")
     off, nbytes, shape, code, h = (raw[k] for k in ("off", "bytes", "shape", "dtype", "hash"))
     if not is_count(off) or not is_count(nbytes):
-        _damaged(where, f"tensor slot {name}: off {_show(off, 40)} / bytes {_show(nbytes, 40)} must be integers >= 0")
+        _damaged(where, f"tensor {name}: off {_show(off, 40)} / bytes {_show(nbytes, 40)} must be integers >= 0")
     if checked_shape(shape) is None:
-        _damaged(
-            where, f"tensor slot {name}: shape must be a list of at most 8 integers in 0..2^31-1, got {_show(shape)}"
-        )
+        _damaged(where, f"tensor {name}: shape must be a list of at most 8 integers in 0..2^31-1, got {_show(shape)}")
     if not is_int(code):
-        _damaged(where, f"tensor slot {name}: dtype {_show(code, 40)} is not an mlx-c dtype code")
+        _damaged(where, f"tensor {name}: dtype {_show(code, 40)} is not an mlx-c dtype code")
     if code in UNSUPPORTED_CODES:
-        _damaged(where, f"tensor slot {name}: dtype code {code} ({UNSUPPORTED_CODES[code]}) is not a dtype mlxkv holds")
+        _damaged(where, f"tensor {name}: dtype code {code} ({UNSUPPORTED_CODES[code]}) is not a dtype mlxkv holds")
     dtype = DTYPE_OF_CODE.get(code)
     if dtype is None:
-        _damaged(where, f"tensor slot {name}: unknown mlx-c dtype code {code}")
+        _damaged(where, f"tensor {name}: unknown mlx-c dtype code {code}")
     want = math.prod(shape) * ITEMSIZE[dtype]  # exact: Python integers do not wrap
     if want != nbytes:
-        _damaged(where, f"tensor slot {name}: {nbytes} bytes do not hold shape {shape} of {dtype} ({want} bytes)")
+        _damaged(where, f"tensor {name}: {nbytes} bytes do not hold shape {shape} of {dtype} ({want} bytes)")
     if version == 5:
         if h != "":
-            _damaged(where, f'tensor slot {name}: hash must be "" in format 5 (its blocks carry sha256 names)')
+            _damaged(where, f'tensor {name}: hash must be "" in format 5 (its blocks carry sha256 names)')
         return dtype, shape, code, off, nbytes, h, _parse_blocks(where, name, raw["blocks"], nbytes)
     if type(h) is not str or not _HASH16.fullmatch(h):
-        _damaged(where, f"tensor slot {name}: hash {_show(h, 40)} is not 16 lowercase hex digits")
+        _damaged(where, f"tensor {name}: hash {_show(h, 40)} is not 16 lowercase hex digits")
     return dtype, shape, code, off, nbytes, h, []
 
 
@@ -267,7 +267,7 @@ def _check_metadata(where: str, i: int, raw: dict) -> None:
 
 
 def _groups(where: str, doc: dict, version: int, data_start: int) -> dict:
-    """Step 7, and step 8 per slot: ``caches`` and ``attachments`` as lists of slot lists."""
+    """Step 7, and step 8 per tensor: ``caches`` and ``attachments`` as lists of tensor-record lists."""
     if type(doc.get("caches")) is not list:
         _damaged(where, "caches must be a list")
     attachments = doc.get("attachments")
@@ -287,20 +287,22 @@ def _groups(where: str, doc: dict, version: int, data_start: int) -> dict:
                 if entry.keys() != ATTACHMENT_KEYS:
                     _damaged(where, f"attachment {i} must have exactly schema, metadata, tensors")
                 _check_metadata(where, i, entry)
-            slots = []
+            records = []
             for j, raw in enumerate(entry["tensors"]):
                 name = f"{key}.{i}.{j}"
-                dtype, shape, code, off, nbytes, h, blocks = parse_slot(where, name, raw, version)
+                dtype, shape, code, off, nbytes, h, blocks = parse_tensor_record(where, name, raw, version)
                 begin = data_start + off
-                slots.append(Slot(TensorInfo(name, dtype, shape, begin, begin + nbytes), code, off, h, blocks))
-            groups[key].append(slots)
+                records.append(
+                    TensorRecord(TensorInfo(name, dtype, shape, begin, begin + nbytes), code, off, h, blocks)
+                )
+            groups[key].append(records)
     return groups
 
 
-def _check_ranges(where: str, slots: list[Slot], data_start: int, size: int) -> None:
+def _check_ranges(where: str, records: list[TensorRecord], data_start: int, size: int) -> None:
     """Step 9 (formats 3, 4): every stored tensor inside the file, none overlapping, and
     nothing after the last (nor the padding before ``dataStart`` missing)."""
-    spans = sorted((s.info.begin, s.info.end, s.info.name) for s in slots if s.nbytes)
+    spans = sorted((r.info.begin, r.info.end, r.info.name) for r in records if r.nbytes)
     for _, end, name in spans:
         if end > size:
             _damaged(where, f"truncated: tensor {name} ends at byte {end} of a {size}-byte file")
@@ -312,7 +314,7 @@ def _check_ranges(where: str, slots: list[Slot], data_start: int, size: int) -> 
         _damaged(where, f"{size - last:+d} bytes after the last tensor: truncated or damaged file")
 
 
-def parse_header(doc, header_len: int, data_start: int, header_hash: int, size: int, path: str) -> MlxBunHeader:
+def parse_mlx_bun_header(doc, header_len: int, data_start: int, header_hash: int, size: int, path: str) -> MlxBunHeader:
     """Check the parsed JSON header ``doc`` of a ``size``-byte file whose prefix says
     ``header_len`` and ``data_start`` (steps 4-9 of docs/mlx-bun.md section 8). Pure: no I/O."""
     where = _where(path)
@@ -332,7 +334,7 @@ def parse_header(doc, header_len: int, data_start: int, header_hash: int, size: 
         path, version, doc, header_len, data_start, header_hash, size, groups["caches"], groups["attachments"]
     )
     if version != 5:
-        _check_ranges(where, f.slots(), data_start, size)
+        _check_ranges(where, f.records(), data_start, size)
     return f
 
 
@@ -354,7 +356,7 @@ class MlxBunFile(TensorFile):
             _damaged(self.where, "truncated while reading its header")
         check_header_hash(raw, header_hash, self.path)
         doc = strict_json.loads(raw, f"{self.where}: header")
-        self.header = parse_header(doc, header_len, data_start, header_hash, self.size, self.path)
+        self.header = parse_mlx_bun_header(doc, header_len, data_start, header_hash, self.size, self.path)
         self.tensors = self.header.tensors
 
 
@@ -374,11 +376,13 @@ def _block_path(h: MlxBunHeader, digest: str) -> str:
     return os.path.join(h.blocks_dir, digest)
 
 
-def _refuse_block(h: MlxBunHeader, slot: Slot, digest: str, why: str):
-    raise CorruptSnapshotError(f"{h.where}: tensor {slot.info.name}: block {digest} {why}")
+def _refuse_block(h: MlxBunHeader, record: TensorRecord, digest: str, why: str):
+    raise CorruptSnapshotError(f"{h.where}: tensor {record.info.name}: block {digest} {why}")
 
 
-def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, into: bytearray | None, verify: bool) -> None:
+def _read_block(
+    h: MlxBunHeader, record: TensorRecord, digest: str, n: int, into: bytearray | None, verify: bool
+) -> None:
     """Block ``digest`` (``n`` bytes) through one descriptor: its size checked on that
     descriptor before anything is allocated for it, its bytes appended to ``into`` (or,
     when nothing is kept, read through a buffer of at most 1 MiB) and, with ``verify``, its
@@ -386,13 +390,13 @@ def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, into: bytearra
     try:
         fd = open_regular(_block_path(h, digest))
     except SnapshotError as e:
-        _refuse_block(h, slot, digest, f"cannot be read ({str(e).rsplit(': ', 1)[-1]})")
+        _refuse_block(h, record, digest, f"cannot be read ({str(e).rsplit(': ', 1)[-1]})")
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            _refuse_block(h, slot, digest, "cannot be read (not a regular file)")
+            _refuse_block(h, record, digest, "cannot be read (not a regular file)")
         if st.st_size != n:
-            _refuse_block(h, slot, digest, f"holds {st.st_size} bytes, the header says {n}")
+            _refuse_block(h, record, digest, f"holds {st.st_size} bytes, the header says {n}")
         sha = hashlib.sha256() if verify else None
         if into is None:
             at, buf = 0, bytearray(min(n, _BLOCK_CHUNK))
@@ -405,42 +409,45 @@ def _read_block(h: MlxBunHeader, slot: Slot, digest: str, n: int, into: bytearra
                 lo, hi = (at + got, at + n) if into is not None else (0, min(len(mv), n - got))
                 k = os.preadv(fd, [mv[lo:hi]], got)
                 if not k:
-                    _refuse_block(h, slot, digest, f"holds {got} bytes, the header says {n} (cut short while reading)")
+                    _refuse_block(
+                        h, record, digest, f"holds {got} bytes, the header says {n} (cut short while reading)"
+                    )
                 if sha is not None:
                     sha.update(mv[lo : lo + k])
                 got += k
     except OSError as e:
-        _refuse_block(h, slot, digest, f"cannot be read ({e.strerror or e})")
+        _refuse_block(h, record, digest, f"cannot be read ({e.strerror or e})")
     finally:
         os.close(fd)
     if sha is not None and sha.hexdigest() != digest:
-        _refuse_block(h, slot, digest, "does not match its sha256 name: KV block hash mismatch")
+        _refuse_block(h, record, digest, "does not match its sha256 name: KV block hash mismatch")
 
 
-def verify_blocks(h: MlxBunHeader, slot: Slot) -> None:
-    """Refuse a format-5 slot whose blocks are missing, of the wrong size or damaged; keeps
+def verify_blocks(h: MlxBunHeader, record: TensorRecord) -> None:
+    """Refuse a format-5 record whose blocks are missing, of the wrong size or damaged; keeps
     nothing (each block is hashed through a buffer of at most 1 MiB)."""
-    for digest, n in slot.blocks:
-        _read_block(h, slot, digest, n, None, True)
+    for digest, n in record.blocks:
+        _read_block(h, record, digest, n, None, True)
 
 
-def read_block_tensor(h: MlxBunHeader, slot: Slot, verify: bool) -> mx.array:
-    """A format-5 slot as an MLX array: its blocks read in order (``_read_block``), the
+def read_block_tensor(h: MlxBunHeader, record: TensorRecord, verify: bool) -> mx.array:
+    """A format-5 record as an MLX array: its blocks read in order (``_read_block``), the
     bytes growing block by block, so what is allocated never exceeds the block bytes really
     on disk, whatever the header claims."""
     raw = bytearray()
-    for digest, n in slot.blocks:
-        _read_block(h, slot, digest, n, raw, verify)
-    a = np.frombuffer(raw, np.dtype(DTYPES[slot.info.dtype][1]).newbyteorder("<")).reshape(slot.info.shape)
+    for digest, n in record.blocks:
+        _read_block(h, record, digest, n, raw, verify)
+    a = np.frombuffer(raw, np.dtype(DTYPES[record.info.dtype][1]).newbyteorder("<")).reshape(record.info.shape)
     a = mx.array(a)
-    return a.view(mx.bfloat16) if slot.info.dtype == "BF16" else a
+    return a.view(mx.bfloat16) if record.info.dtype == "BF16" else a
 
 
 # -- writing -------------------------------------------------------------------------------
 
 
-def new_slot(a: mx.array) -> dict:
-    """The header slot of array ``a`` before layout: ``off`` and ``hash`` are filled by the writer."""
+def new_tensor_record(a: mx.array) -> dict:
+    """The header's tensor record of array ``a`` before layout: ``off`` and ``hash`` are filled by
+    the writer."""
     code = CODE_OF_DTYPE.get(dtype_name(a))
     if code is None:  # pragma: no cover - dtype_name already refuses what mlxkv cannot store
         raise SnapshotError(f"arrays of dtype {a.dtype} have no mlx-c dtype code")
@@ -493,23 +500,23 @@ def js_json(value) -> str:
 
 
 def lay_out(header: dict) -> list[dict]:
-    """Assign every slot's ``off`` as mlx-bun's planner does; returns the slots in write order.
+    """Assign every record's ``off`` as mlx-bun's planner does; returns the records in write order.
 
     Cache tensors: ``off = alignUp(cursor)``, cursor = off + bytes. Attachment tensors (the
     quirk): ``off = cursor`` unaligned, then cursor = alignUp(off + bytes).
     """
-    slots, cursor = [], 0
+    records, cursor = [], 0
     for entry in header.get("caches", []):
         for s in entry["tensors"]:
             s["off"] = align_up(cursor)
             cursor = s["off"] + s["bytes"]
-            slots.append(s)
+            records.append(s)
     for att in header.get("attachments", []):
         for s in att["tensors"]:
             s["off"] = cursor
             cursor = align_up(cursor + s["bytes"])
-            slots.append(s)
-    return slots
+            records.append(s)
+    return records
 
 
 def prefix_bytes(header_json: bytes, data_start: int) -> bytes:
@@ -517,18 +524,18 @@ def prefix_bytes(header_json: bytes, data_start: int) -> bytes:
 
 
 def planned(path: str, header: dict) -> MlxBunHeader:
-    """``header`` (slots made by :func:`new_slot`) laid out as the whole layout writes it,
+    """``header`` (tensor records made by :func:`new_tensor_record`) laid out as the whole layout writes it,
     and checked as a reader checks a file (steps 4-9 of docs/mlx-bun.md section 8), before
     anything is written: a write never leaves a file a reader refuses."""
-    slots = lay_out(header)
+    records = lay_out(header)
     try:
         raw = js_json(header).encode()
     except UnicodeEncodeError:
         raise SnapshotError(f"{path}: a string of the header holds a lone UTF-16 surrogate: not JSON") from None
     doc = strict_json.loads(raw, f"{_where(path)}: header")
     data_start = align_up(PREFIX_LEN + len(raw))
-    size = max([data_start] + [data_start + s["off"] + s["bytes"] for s in slots if s["bytes"]])
-    return parse_header(doc, len(raw), data_start, 0, size, path)
+    size = max([data_start] + [data_start + s["off"] + s["bytes"] for s in records if s["bytes"]])
+    return parse_mlx_bun_header(doc, len(raw), data_start, 0, size, path)
 
 
 def write_mlx_bun(
@@ -541,7 +548,7 @@ def write_mlx_bun(
     progress: Callable[[int, int], None] | None = None,
     fsync: bool = True,
 ) -> dict:
-    """Write ``header`` (slots made by :func:`new_slot`, in cache-then-attachment order, one
+    """Write ``header`` (tensor records made by :func:`new_tensor_record`, in cache-then-attachment order, one
     per array of ``arrays``) and the arrays as an mlx-bun file; returns the header written.
 
     ``layout="whole"`` is formats 3/4 (the tensors in the file); ``"blocks"`` is format 5:
@@ -549,20 +556,20 @@ def write_mlx_bun(
     blocks under ``<dir>/blocks/`` (a block never crosses a ``[T, F]`` plane, at most
     ``block_bytes`` each).
     """
-    slots = lay_out(header)
-    if len(slots) != len(arrays):
-        raise SnapshotError(f"internal error: {len(slots)} slots for {len(arrays)} arrays")
+    records = lay_out(header)
+    if len(records) != len(arrays):
+        raise SnapshotError(f"internal error: {len(records)} records for {len(arrays)} arrays")
     if layout == "blocks":
-        return _write_blocks(path, header, slots, arrays, block_bytes, progress, fsync)
+        return _write_blocks(path, header, records, arrays, block_bytes, progress, fsync)
     if layout != "whole":
         raise SnapshotError(f"unknown mlx-bun layout {layout!r}: 'whole' (formats 3, 4) or 'blocks' (format 5)")
     header_len = len(js_json(header).encode())
     data_start = align_up(PREFIX_LEN + header_len)
-    total = sum(s["bytes"] for s in slots)
+    total = sum(s["bytes"] for s in records)
 
     def fill(f):
         done = 0
-        for s, a in zip(slots, arrays):
+        for s, a in zip(records, arrays):
             buf = array_buffer(a)
             if buf.nbytes != s["bytes"]:
                 raise SnapshotError(f"internal error: tensor byte-length drift ({s['bytes']} planned, {buf.nbytes})")
@@ -603,7 +610,7 @@ def block_spans(shape: Sequence[int], itemsize: int, block_bytes: int) -> list[t
     return spans
 
 
-def _write_blocks(path, header, slots, arrays, block_bytes, progress, fsync) -> dict:
+def _write_blocks(path, header, records, arrays, block_bytes, progress, fsync) -> dict:
     if not is_int(block_bytes) or block_bytes <= 0:
         raise SnapshotError(f"block_bytes must be a positive integer, got {block_bytes!r}")
     root = os.path.join(os.path.dirname(os.path.abspath(path)), BLOCKS_DIR)
@@ -611,8 +618,8 @@ def _write_blocks(path, header, slots, arrays, block_bytes, progress, fsync) -> 
         os.makedirs(root, mode=0o700, exist_ok=True)
     except OSError as e:
         raise SnapshotError(f"{path}: cannot create {root}: {e}") from e
-    total, done = sum(s["bytes"] for s in slots), 0
-    for s, a in zip(slots, arrays):
+    total, done = sum(s["bytes"] for s in records), 0
+    for s, a in zip(records, arrays):
         buf = array_buffer(a)
         item = a.itemsize
         s["blocks"] = []

@@ -194,7 +194,7 @@ def checked_shape(value) -> list[int] | None:
     return value
 
 
-def parse_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
+def parse_safetensors_header(raw: bytes, file_size: int, path: str) -> SafetensorsHeader:
     """Check the header bytes ``raw`` (the ``N`` bytes after the length) of a ``file_size``
     byte file: section 8, steps 3-8, of docs/format.md. Pure: no I/O."""
     doc = strict_json.loads(raw, f"{path}: header")
@@ -270,7 +270,7 @@ class SafetensorsFile(TensorFile):
         raw = self.read(n, 8)
         if len(raw) < n:
             raise CorruptSnapshotError(f"{path}: truncated while reading its header")
-        self.header = parse_header(raw, size, path)
+        self.header = parse_safetensors_header(raw, size, path)
         self.header.identity = self.identity
         self.tensors = self.header.tensors
 
