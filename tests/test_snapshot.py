@@ -341,3 +341,16 @@ def test_identity_is_derived_from_config_and_weights(models):
     assert canonical_config(other_weights) == canonical_config(llama)
     assert model_fingerprint(other_weights) != model_fingerprint(llama)
     assert model_identity(llama) == Identity(model_id="seeded/llama@0", config_fingerprint=model_fingerprint(llama))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "hybrid"])
+def test_the_layer_count_a_load_checks_is_the_models_own(arch, models):
+    """``load(..., model=)`` counts the caches the model asks for (its own template, else its
+    layers) without building mlxkv caches; it is what make_cache builds."""
+    from mlxkv.caches.schemes import layer_count, make_cache
+    from mlxkv.state.identity import model_geometry
+
+    model = models(arch)
+    assert model_geometry(model).layers == layer_count(model) == len(make_cache(model, "bf16"))
+    bare = type("Bare", (), {"layers": model.layers})()  # no template of its own: one cache per layer
+    assert layer_count(bare) == len(model.layers)

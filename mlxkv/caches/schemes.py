@@ -62,6 +62,23 @@ def attention_geometry(model):
     return heads, dim
 
 
+def layer_template(model) -> list | None:
+    """The caches the model asks for, one per layer, as mlx-lm builds them (its own
+    ``make_cache``; under ``mlxkv serve``'s factory the model's original one), or None for a
+    model without one (one plain cache per ``model.layers``)."""
+    make = getattr(model, "make_cache", None)
+    make = getattr(make, "layer_template", make)
+    return make() if make is not None else None
+
+
+def layer_count(model) -> int:
+    """How many caches the model takes: its own template's (mlx-lm's empty cache objects,
+    the only statement a model makes of it), else one per ``model.layers``; no mlxkv cache
+    is built."""
+    template = layer_template(model)
+    return len(template) if template is not None else len(model.layers)
+
+
 def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **options) -> list:
     """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
 
@@ -71,9 +88,9 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
     parsed = parse_scheme(scheme, options)
     if max_kv_size is not None and parsed.ring is None:
         raise SchemeError(f"scheme {scheme!r} has no ring form: max_kv_size cannot be used with it")
-    make = getattr(model, "make_cache", None)
-    make = getattr(make, "layer_template", make)  # the model's own, under mlxkv serve's factory
-    template = make() if make is not None else [mlx_cache.KVCache() for _ in model.layers]
+    template = layer_template(model)
+    if template is None:
+        template = [mlx_cache.KVCache() for _ in model.layers]
 
     heads, dim = attention_geometry(model)
     layer_options = {"n_kv_heads": heads, "head_dim": dim, **options}  # builders check against it

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..caches.schemes import attention_geometry, make_cache, model_config
+from ..caches.schemes import attention_geometry, layer_count, model_config
 from ..errors import GeometryMismatchError, IdentityMismatchError, SnapshotError
 from ..families import family_of_persisted
 from ..io.safetensors import array_buffer, crc32
@@ -246,7 +246,9 @@ class Geometry:
 
 
 def model_geometry(model) -> Geometry:
-    return Geometry(len(make_cache(model, "bf16")), *attention_geometry(model))
+    """The layer count and attention geometry a snapshot for ``model`` must have, from the
+    model's own declarations (``caches.schemes.layer_count``, its config)."""
+    return Geometry(layer_count(model), *attention_geometry(model))
 
 
 def check_model_identity(where, header, model):
