@@ -24,6 +24,7 @@ from mlxkv.cli import main as cli
 from mlxkv.formats.mlxbun import MlxBunSnapshot, save_mlx_bun
 from mlxkv.io import mlxbun as container
 from mlxkv.state.generation_key import generation_key
+from mlxkv.state.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 BUN = ROOT / "mlx-bun"
@@ -69,15 +70,11 @@ def _stored(kind: str, c) -> list:
 
 
 def _save_like(spec, path, **kw):
-    ident = spec.identity
     return save_mlx_bun(
         str(path),
         [layer.cache for layer in spec.layers],
         spec.tokens,
-        model_id=ident.get("modelId", ""),
-        config_fingerprint=ident.get("configFingerprint", ""),
-        tokenizer_hash=ident.get("tokenizerHash", ""),
-        ns=ident.get("ns", ""),
+        identity=Identity.from_header(spec.identity),
         generation_checkpoint=spec.checkpoint,
         attachments=spec.attachments,
         created_at=MANIFEST["createdAtMs"],

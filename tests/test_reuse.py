@@ -70,35 +70,36 @@ FAMILY_CASES = {  # (arch, scheme, options, tokens): each persisted kind, evicte
 }
 
 
-def _checked_header(caches, tokens):
-    """An encoded snapshot's header as a reader checks it (dtype and shape in every
-    tensor reference), and its arrays."""
+UNTRIMMABLE = ("ssm", "rotating-wrapped", "tova-evicted", "qfilters-evicted")  # lent whole only
+
+
+def _stored(case, models):
+    """(model, live caches, tokens, header, arrays) of a case: the caches after its prompt,
+    encoded as a store keeps them, the header as a reader checks it (dtype and shape in every
+    tensor reference)."""
     from mlxkv.formats.mlxkv import encode
     from mlxkv.io.safetensors import dtype_name
 
-    header, tensors = encode(caches, tokens)
+    arch, scheme, options, n = FAMILY_CASES[case]
+    model = models(arch)
+    caches = make_cache(model, scheme, **options)
+    run(model, caches, prompt(n))
+    header, tensors = encode(caches, prompt(n))
     arrays = dict(tensors)
     for entry in header["caches"]:
         for t in entry["tensors"]:
             t.update(dtype=dtype_name(arrays[t["name"]]), shape=list(arrays[t["name"]].shape))
-    return header, arrays
+    return model, caches, prompt(n), header, arrays
 
 
 @pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_a_header_answers_the_reuse_rule_as_live_caches_do(case, models):
     from mlxkv.state.reuse import probe, reuse_of
 
-    arch, scheme, options, n = FAMILY_CASES[case]
-    model = models(arch)
-    caches = make_cache(model, scheme, **options)
-    run(model, caches, prompt(n))
-    header, arrays = _checked_header(caches, prompt(n))
+    _, caches, tokens, header, arrays = _stored(case, models)
     assert probe(header) == reuse_of(caches)  # no tensor read, no cache built
     assert probe(header).trimmable == (case not in UNTRIMMABLE)
-    assert probe(header) == reuse_of(mlxkv.state.reuse.lend(header, arrays, n))
-
-
-UNTRIMMABLE = ("ssm", "rotating-wrapped", "tova-evicted", "qfilters-evicted")  # lent whole only
+    assert probe(header) == reuse_of(mlxkv.state.reuse.lend(header, arrays, len(tokens)))
 
 
 @pytest.mark.parametrize("case", [c for c in FAMILY_CASES if c not in UNTRIMMABLE])
@@ -106,13 +107,9 @@ def test_a_lent_prefix_holds_its_positions_only_and_equals_the_trimmed_donor(cas
     from mlxkv.kinds.entries import decode_entries
     from mlxkv.state.reuse import lend, probe
 
-    arch, scheme, options, n = FAMILY_CASES[case]
-    model = models(arch)
-    caches = make_cache(model, scheme, **options)
-    run(model, caches, prompt(n))
-    header, arrays = _checked_header(caches, prompt(n))
+    model, _, tokens, header, arrays = _stored(case, models)
     assert probe(header).trimmable
-    p = 7
+    n, p = len(tokens), 7
     lent = lend(header, arrays, p)
     trimmed = decode_entries(header, {k: a[...] for k, a in arrays.items()})
     for c in trimmed:

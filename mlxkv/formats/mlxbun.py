@@ -38,7 +38,7 @@ from ..io.tensor_reader import TensorReader, check_allocation
 from ..kinds.entries import decode_entries, encode_layer
 from ..state.checkpoint import describe as describe_checkpoint
 from ..state.checkpoint import normalized, read_checkpoint
-from ..state.identity import RECORDED_FIELDS, Identity, check_expected, check_for_model
+from ..state.identity import RECORDED_FIELDS, UNKNOWN, Identity, check_expected, check_for_model
 from .mlxkv_header import check_position, check_tokens
 from .snapshot import Snapshot, epoch_ms, iso_time
 
@@ -369,10 +369,7 @@ def save_mlx_bun(
     caches: Sequence,
     tokens: Sequence[int],
     *,
-    model_id: str = "",
-    config_fingerprint: str = "",
-    tokenizer_hash: str = "",
-    ns: str = "",
+    identity: Identity = UNKNOWN,
     generation_checkpoint: dict | None = None,
     attachments: list | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -395,10 +392,9 @@ def save_mlx_bun(
         entries.append(entry)
         arrays += a
     att_entries, att_arrays = _attachments(attachments)
-    identity = Identity(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash, ns=ns)
     header = {"formatVersion": 4 if att_entries else 3, "createdAt": epoch_ms(created_at), **identity.header_fields()}
     if generation_checkpoint is not None:  # mlx-bun's fields; mlxkv's own state rides along
-        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
+        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, identity.ns)
     if att_entries:
         header["attachments"] = att_entries
     header.update({"codecProvider": container.CODEC_PROVIDER, "tokens": tokens, "caches": entries})

@@ -30,7 +30,7 @@ from ..io.tensor_reader import TensorReader
 from ..kinds.entries import decode_entries, encode_entries
 from ..state.checkpoint import describe as describe_checkpoint
 from ..state.checkpoint import normalized
-from ..state.identity import RECORDED_FIELDS, Identity, check_expected, check_for_model
+from ..state.identity import RECORDED_FIELDS, UNKNOWN, Identity, check_expected, check_for_model
 from .mlxkv_header import (  # noqa: F401 - the header constants are part of this module's interface
     ACCEPTED_PROVIDERS,
     CODEC_PROVIDER,
@@ -75,12 +75,7 @@ def encode(
     caches: Sequence,
     tokens: Sequence[int],
     *,
-    model=None,
-    model_id: str | None = None,
-    config_fingerprint: str | None = None,
-    tokenizer_hash: str | None = None,
-    ns: str | None = None,
-    kv_scheme: str | None = None,
+    identity: Identity = UNKNOWN,
     generation_checkpoint: dict | None = None,
     attachments: dict | None = None,
     created_at: str | int | None = None,
@@ -88,9 +83,9 @@ def encode(
     """The snapshot of ``caches`` in memory: its mlxkv header and its (name, array) tensors.
 
     The arrays are the caches' own stored rows (views, nothing copied); each tensor entry of
-    the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``model`` gives
-    the identity fields (its id and fingerprint, ``mlxkv.state.identity``) the keywords do
-    not; ``kv_scheme`` is a prompt store's (docs/store.md). ``attachments``: a JSON object
+    the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``identity`` is
+    recorded as ``Identity.header_fields`` says (its ``kv_scheme`` is a prompt store's,
+    docs/store.md). ``attachments``: a JSON object
     of method state (mlx-bun's tensor attachments have no mlxkv form). ``created_at``: the
     ISO string to record, or milliseconds since the epoch (another format's). Everything is
     checked here, by the reader's own header checks among others, so a write of the result
@@ -108,14 +103,6 @@ def encode(
     entries, tensors = encode_entries(list(caches), tokens)
     for name, a in tensors:
         check_storable(name, a)  # unsupported dtypes and ranks fail before any file is opened
-    identity = Identity.resolved(
-        model,
-        model_id=model_id,
-        config_fingerprint=config_fingerprint,
-        tokenizer_hash=tokenizer_hash,
-        ns=ns,
-        kv_scheme=kv_scheme,
-    )
     header = {
         "formatVersion": FORMAT_VERSION,
         "createdAt": iso_created(created_at),
@@ -125,7 +112,7 @@ def encode(
         "caches": entries,
     }
     if generation_checkpoint is not None:  # format 1's layout is translated, any other checked
-        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, ns)
+        header["generationCheckpoint"] = normalized(generation_checkpoint, tokens, identity.ns)
     if attachments:
         header["attachments"] = attachments
     try:
@@ -169,10 +156,7 @@ def save_mlxkv(
     caches: Sequence,
     tokens: Sequence[int],
     *,
-    model_id: str = "",
-    config_fingerprint: str = "",
-    tokenizer_hash: str = "",
-    ns: str = "",
+    identity: Identity = UNKNOWN,
     generation_checkpoint: dict | None = None,
     attachments: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -184,10 +168,7 @@ def save_mlxkv(
     header, tensors = encode(
         caches,
         tokens,
-        model_id=model_id,
-        config_fingerprint=config_fingerprint,
-        tokenizer_hash=tokenizer_hash,
-        ns=ns,
+        identity=identity,
         generation_checkpoint=generation_checkpoint,
         attachments=attachments,
         created_at=created_at,

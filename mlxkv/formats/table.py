@@ -41,7 +41,7 @@ class Format:
     #: ``(file, tokens) -> Snapshot``: what a conversion carries out of the file; ``tokens``
     #: only for a format that does not record them
     convert_source: Callable[[TensorFile, Sequence[int] | None], Snapshot]
-    #: ``save(path, caches, tokens, *, model_id, ..., created_at) -> header``; None: read only
+    #: ``save(path, caches, tokens, *, identity, ..., created_at) -> header``; None: read only
     save: Callable[..., dict] | None = None
 
 
@@ -145,7 +145,7 @@ def save(
         path,
         caches,
         tokens,
-        **identity.keywords(),
+        identity=identity,
         generation_checkpoint=generation_checkpoint,
         attachments=attachments,
         progress=progress,
@@ -222,7 +222,7 @@ def _converted(source: Callable[[], Snapshot], src: str, dst: str, to: str, prog
         dst,
         snap.caches,
         snap.tokens,
-        **Identity.from_header(snap.header).replace(**identity).keywords(),
+        identity=Identity.from_header(snap.header).replace(**identity),
         generation_checkpoint=snap.generation_checkpoint,
         attachments=snap.attachments,
         created_at=snap.created_at,

@@ -107,6 +107,10 @@ class Identity:
         return out
 
 
+#: the identity of a snapshot saved without one: every field unknown
+UNKNOWN = Identity()
+
+
 def check_expected(where: str, header: dict, expect: dict) -> None:
     """Each given expectation (a keyword of :data:`RECORDED`, None: not compared) equals
     the header's field; else :class:`IdentityMismatchError`."""

@@ -56,8 +56,7 @@ def freeze(
     header, tensors = encode(
         caches,
         tokens,
-        **identity.replace(ns=ns).keywords(),
-        kv_scheme=identity.kv_scheme,
+        identity=identity.replace(ns=ns),
         generation_checkpoint=checkpoint,
         attachments=attachments,
     )
