@@ -82,7 +82,9 @@ _FAMILIES: list[Family] = []
 
 
 def register_family(family: Family) -> Family:
-    """Add a family to the table. Its kind and persisted kind must be new."""
+    """Add a family to the table. Its kind and its codec's persisted kind must be new."""
+    if not isinstance(family.persisted, str) or not family.persisted:
+        raise ValueError(f"the codec of {family.kind!r} declares no persisted kind (Codec.persisted)")
     for f in _FAMILIES:
         if f.persisted == family.persisted:
             raise ValueError(f"persisted kind {family.persisted!r} is registered already")
