@@ -142,3 +142,20 @@ def test_a_conversion_due_at_restore_raises_the_floor_a_header_reports(name, rai
     assert any("pendingConversion" in e for e in header["caches"])
     assert probe(header) == reuse_of(mlxkv.load(path).caches)
     assert (probe(header).floor > max(e["minimumReusableOffset"] for e in header["caches"])) == raised
+
+
+@pytest.mark.parametrize("case", ["tova-evicted", "qfilters-evicted", "tova"])
+def test_a_reopened_disk_tier_indexes_and_serves_eviction_entries(case, models, tmp_path):
+    """The disk tier indexes its files by the header-only answer: eviction entries are
+    indexed (not quarantined) and served whole after a restart."""
+    arch, scheme, options, n = FAMILY_CASES[case]
+    model = models(arch)
+    caches = make_cache(model, scheme, **options)
+    run(model, caches, prompt(n))
+    with mlxkv.PromptStore(model, cap=1 << 26, directory=str(tmp_path)) as store:
+        store.put(prompt(n), caches)
+        store.flush()
+    with mlxkv.PromptStore(model, cap=1 << 26, directory=str(tmp_path)) as store:
+        assert (store.opened.indexed, store.opened.quarantined) == (1, [])
+        hit = store.take(prompt(n) + [1])
+    assert (hit.tier, hit.prefix_len) == ("disk", n)
