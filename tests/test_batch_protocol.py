@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlxkv
+from mlxkv.batched.bf16first import Bf16FirstBatch
 from mlxkv.caches.schemes import make_cache
 from mlxkv.models.seeded import prompt, tokenizer
 
@@ -89,12 +90,12 @@ def test_conversion_happens_once_per_row_at_its_own_start_inside_a_batch(models)
     rows = [prefilled(model, "turbo-k4v2-start16", prompt(n, seed=n)) for n in (6, 13, 15)]
     batch = mlxkv.merge_model_rows(rows)
     attn = [b for b in batch if b.kind.startswith("kv:batched-turbo")]
-    assert attn and all(b.bf16.rows.tolist() == [0, 1, 2] for b in attn)
+    assert attn and all(b.bf16_rows.tolist() == [0, 1, 2] for b in attn)
     for step in range(3):
         model(mx.array([[1], [2], [3]]), cache=batch)
         # after the append, rows at 16 have converted: 15+1 at step 0, 13+3 at step 2
         left = {0: [0, 1], 1: [0, 1], 2: [0]}[step]
-        assert all(b.bf16.rows.tolist() == left for b in attn)
+        assert all(b.bf16_rows.tolist() == left for b in attn)
         floors = attn[0].row_minimum_reusable_offsets.tolist()
         assert floors[2] == 16 and floors[1] == (16 if step == 2 else 0) and floors[0] == 0
 
@@ -182,10 +183,9 @@ def test_deepcopy_gives_independent_serial_and_batched_caches(models, scheme):
 def _batch_arrays(b):
     if b.kind == "kv:batched-ssm":
         return [a for a in b.cache if a is not None]
-    out = list(b.keys or ()) + list(b.values or ())
-    if b.bf16 is not None and b.bf16.keys is not None:
-        out += [b.bf16.keys, b.bf16.values]
-    return out
+    if isinstance(b, Bf16FirstBatch):
+        return _batch_arrays(b.target) + ([] if b.bf16 is None else _batch_arrays(b.bf16))
+    return list(b.keys or ()) + list(b.values or ())
 
 
 # -- transactions -----------------------------------------------------------------------------
@@ -273,8 +273,9 @@ def test_a_row_that_cannot_trim_refuses_before_anything_changes(models):
 # -- projected bytes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "kv4", "turbo-k8v3", "kv4-start16", "tova-b32-s4"])
+@pytest.mark.parametrize("scheme", ["bf16", "kv4", "turbo-k8v3", "kv4-start16", "kv4-start512", "tova-b32-s4"])
 def test_projected_bytes_tell_what_a_join_and_a_longer_generation_cost(models, scheme):
+    """kv4-start16: every row converts during the generation; kv4-start512: none does."""
     model = models("hybrid")
     batch = mlxkv.merge_model_rows([prefilled(model, scheme, prompt(n, seed=n)) for n in (12, 30)])
     model(mx.array([[1], [2]]), cache=batch)
@@ -284,9 +285,13 @@ def test_projected_bytes_tell_what_a_join_and_a_longer_generation_cost(models, s
     for _ in range(tokens):
         model(mx.array([[3]] * 4), cache=batch)
     actual = sum(b.nbytes for b in batch)
-    step = sum(b._column_bytes() * b.batch_size * b.step for b in batch if hasattr(b, "_column_bytes"))
-    if scheme == "kv4-start16":
-        step += sum(b._bf16_column_bytes() * b.step * 4 for b in batch if hasattr(b, "_column_bytes"))
+    step = 0  # one allocation step of every row (of the plain rows too, while they are plain)
+    for b in batch:
+        t = getattr(b, "target", b)
+        if hasattr(t, "_column_bytes"):
+            step += t._column_bytes() * t.batch_size * t.step
+        if isinstance(b, Bf16FirstBatch):
+            step += b._bf16_column_bytes() * t.batch_size * t.step
     assert abs(projected - actual) <= step, (projected, actual, step)
     assert mlxkv.projected_bytes(batch) >= actual - step
 

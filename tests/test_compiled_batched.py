@@ -13,6 +13,7 @@ from batch_helpers import drive
 from mlx_lm.generate import BatchGenerator
 
 import mlxkv
+from mlxkv.batched.bf16first import Bf16FirstBatch
 from mlxkv.caches.compiled import CompiledDecoder, compiled_model
 from mlxkv.caches.slots import decode_phase
 from mlxkv.models.seeded import ARCHITECTURES, prompt
@@ -24,6 +25,8 @@ LENS, MAX_TOKENS, JOIN_AT = (5, 23, 40, 12), (30, 3, 40, 20), 2  # rows finish e
 def digest(cache) -> str:
     """Everything a batched layout stores, as bytes: its buffers (capacity and padding
     included), per-row columns, offsets and state arrays."""
+    if isinstance(cache, Bf16FirstBatch):
+        return digest(cache.target) + ("" if cache.bf16 is None else digest(cache.bf16))
     h = hashlib.sha1()
     arrays = [*(cache.keys or ()), *(cache.values or ())] if hasattr(cache, "cols") else cache.cache
     for a in arrays:
@@ -50,7 +53,8 @@ class Recorder:
             decoder = getattr(self.fn, "decoder", None)
             phases = () if decoder is None else decoder.last_phases  # () when a kind had no slot
             if phases and "eager" not in {p.name for p in phases}:
-                capacities = tuple(getattr(c, "capacity", 0) for c in cache)  # the step's (after its repack)
+                # the step's (after its repack)
+                capacities = tuple(getattr(getattr(c, "target", c), "capacity", 0) for c in cache)
                 self.layouts.append((phases, inputs.shape[0], capacities))
         return out
 

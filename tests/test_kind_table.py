@@ -11,7 +11,7 @@ import pytest
 from generation import greedy, run
 
 import mlxkv
-from mlxkv.batched.attention import RowFormat
+from mlxkv.batched.row_format import RowFormat
 from mlxkv.caches.decode_slot import DecodeSlot, Phase, WindowLayout
 from mlxkv.caches.scheme import Scheme
 from mlxkv.codecs.base import BunForm, Codec, expect_slots, same_prefix

@@ -13,17 +13,13 @@ the buffer is full, one gather that packs the rows and adds slack.
 """
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
 
 from ..caches.base import CacheContract, DtypeAttribute, row_bytes
 from ..caches.reads import AttentionRead
-from ..caches.transition import Bf16FirstCache
 from ..errors import CacheConfigError, MLXKVError
-from ..families import batched_kind, kind_of
-from .bf16first import Bf16Rows
 from .columns import (
     Columns,
     RowOffsets,
@@ -38,51 +34,18 @@ from .columns import (
 )
 
 
-class RowFormat:
-    """Base of the attention row formats: ``merge(rows)`` builds the batch of class
-    ``batch_class`` from serial caches of this format, ``restore`` one serial cache back,
-    ``empty()`` a serial cache of this format that holds nothing."""
+class MlxLmRowSurgery:
+    """mlx-lm's names for a batch's row surgery (its ``BatchGenerator`` calls these); methods,
+    so a layout that overrides the surgery is reached through either name."""
 
-    max_size: int | None = None
-    keep: int = 0
+    def extend(self, other):
+        return self.extend_rows(other)
 
-    def empty(self):  # pragma: no cover - every format implements it
-        raise NotImplementedError
+    def filter(self, batch_indices):
+        return self.filter_rows(batch_indices)
 
-    @cached_property
-    def serial_kind(self) -> str:
-        """The kind of the serial caches of this format: an empty one's own (the live cache
-        says its kind; the format does not repeat it)."""
-        return kind_of(self.empty())
-
-    @property
-    def batched_kind(self) -> str:
-        """A row layout's own kind (``families.batched_kind`` of the serial kind)."""
-        return batched_kind(self.serial_kind)
-
-    def dtype_of(self, row):
-        return None
-
-    def merge(self, rows):
-        return merge_attention_rows(self, rows, cls=self.batch_class())
-
-    def merge_bf16_first(self, rows, pending, plains: dict):
-        """A bf16-first batch: ``rows`` are every row in this format (an unconverted row as
-        its conversion would encode it), ``plains`` maps the unconverted rows' indices to
-        their plain storage (``batched.bf16first``)."""
-        batch = self.merge(rows)
-        batch.pending = pending
-        if plains:
-            idx = np.array(sorted(plains), dtype=np.int64)
-            counts = np.array([plains[i].offset for i in idx], dtype=np.int64)
-            width = batch.capacity or round_up(batch.cols.idx + 1, batch.step)
-            batch.bf16 = Bf16Rows.merge(idx, [plains[i] for i in idx], counts, batch.cols.idx, width)
-            batch._window_affine = False
-        return batch
-
-    @staticmethod
-    def batch_class():
-        return BatchedKVCache
+    def extract(self, idx: int):
+        return self.extract_row(idx)
 
 
 @dataclass(frozen=True)
@@ -93,12 +56,10 @@ class _Plan:
     pack: tuple[Columns, int] | None  # (layout to pack from, new capacity) or None
 
 
-class BatchedKVCache(RowOffsets, CacheContract):
+class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
     """Rows of one serial attention kind; ``offset`` is the per-row position array.
 
     ``row_state`` holds per-row extras of a format (arrays indexed by row on axis 0).
-    ``pending`` is the conversion rule of a bf16-first batch (None otherwise) and ``bf16``
-    its rows that have not converted yet (``batched.bf16first``; None when there are none).
     """
 
     step = 256  # slack columns allocated whenever the buffer is (re)packed
@@ -113,10 +74,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
         self.dtype = dtype
         if masks is not None:
             self.masks = masks
-        self.pending = None
-        self.bf16: Bf16Rows | None = None
         self._remaining = None  # prepare(): real tokens each row still appends in a padded prefill
-        self._window_affine = fmt.storage.affine
 
     # -- identity and position ----------------------------------------------------------
     @property
@@ -127,25 +85,24 @@ class BatchedKVCache(RowOffsets, CacheContract):
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]
 
-    # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown only while the window
-    # the batch last returned was affine triples (every row converted)
+    # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown by affine rows only
     @property
     def bits(self) -> int:
-        if not self._window_affine:
-            raise AttributeError("bits: this batch's last window was not affine triples")
+        if not self.fmt.storage.affine:
+            raise AttributeError(f"bits: {self.kind} rows are not affine triples")
         return self.fmt.storage.bits
 
     @property
     def group_size(self) -> int:
-        if not self._window_affine:
-            raise AttributeError("group_size: this batch's last window was not affine triples")
+        if not self.fmt.storage.affine:
+            raise AttributeError(f"group_size: {self.kind} rows are not affine triples")
         return self.fmt.storage.group_size
 
     # -- mlx-lm's right-padded prefill ----------------------------------------------------
     def prepare(self, *, lengths=None, right_padding=None, left_padding=None):
         """mlx-lm's batch engine right-pads prompts of different lengths: row i appends
         ``lengths[i]`` real tokens then padding. Each append of the bracket drops every row's
-        padding columns before it returns, so rows hold (and evict, convert, report) only
+        padding columns before it returns, so rows hold (and evict for, report) only
         their own tokens, and ``finalize`` has nothing left to move."""
         if left_padding is not None and max(left_padding, default=0) > 0:
             raise MLXKVError(
@@ -201,7 +158,7 @@ class BatchedKVCache(RowOffsets, CacheContract):
         """Hook run after the new positions are stored (eviction policies)."""
 
     def _repacked(self, cols: Columns, end: int, width: int, counts=None):
-        """(keys, values, bf16) with every row right-aligned at column ``end`` of ``width``
+        """(keys, values) with every row right-aligned at column ``end`` of ``width``
         columns from layout ``cols`` (only each row's first ``counts`` positions when given):
         one gather; the batch is not changed."""
         rows = np.arange(self.batch_size)
@@ -209,11 +166,10 @@ class BatchedKVCache(RowOffsets, CacheContract):
         st = self.fmt.storage
         keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
         values = gather_columns(self.values, rows, src, valid, st.value_fills)
-        bf16 = None if self.bf16 is None else self.bf16.regathered(cols, end, width, counts)
-        return keys, values, bf16
+        return keys, values
 
     def _repack(self, cols: Columns, end: int, width: int, counts=None):
-        self.keys, self.values, self.bf16 = self._repacked(cols, end, width, counts)
+        self.keys, self.values = self._repacked(cols, end, width, counts)
 
     def _keep_first(self, counts: np.ndarray):
         """Keep each row's first ``counts`` stored positions (drop its tail), repacked."""
@@ -242,49 +198,25 @@ class BatchedKVCache(RowOffsets, CacheContract):
         for store, new in ((self.keys, k_new), (self.values, v_new)):
             for a, n in zip(store, new):
                 a[..., at : at + N, :] = n
-        if self.bf16 is not None:
-            self.bf16.write(keys, values, at, self.capacity)
         self.cols = p.cols
         self._set_offsets(self.offsets + real)
         out = self._window(p.lo, p.cols.idx, keys.dtype)
         if (real < N).any():  # a padded prefill: every row keeps only its own tokens
             self._keep_first(self.cols.counts - (N - real))
         self._after_append(N)
-        self._convert_due_rows()
         return out
 
     def _window(self, lo: int, idx: int, dtype):
-        """What the attention of this append reads: affine triples when every row is
-        converted (mlx-lm's quantized SDPA), else dense windows with each row in its own
-        precision."""
+        """What the attention of this append reads: the stored columns ``[lo, idx)`` as the
+        storage fetches them (affine triples: mlx-lm's quantized SDPA)."""
         st = self.fmt.storage
         cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
-        if self.bf16 is None:
-            self._window_affine = st.affine
-            return st.fetch_keys(cut(self.keys), dtype), st.fetch_values(cut(self.values), dtype)
-        self._window_affine = False
-        keys, values = st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
-        return self.bf16.overlay(keys, values, lo, idx)
-
-    def _convert_due_rows(self):
-        """bf16-first rows whose append reached their start convert (``PendingConversion``):
-        their target encoding is already stored, so they only leave the bf16 side store."""
-        if self.bf16 is None:
-            return
-        rows = self.bf16.rows
-        due = self.pending.due(self.offsets[rows])
-        if not due.any():
-            return
-        leaving = rows[due]
-        floor = self.pending.floor(self.offsets[leaving])
-        self.row_minimum_reusable_offsets[leaving] = np.maximum(self.row_minimum_reusable_offsets[leaving], floor)
-        self.bf16 = self.bf16.without(leaving)
+        return st.fetch_keys(cut(self.keys), dtype), st.fetch_values(cut(self.values), dtype)
 
     # -- contract -----------------------------------------------------------------------
     @property
     def state(self):
-        side = () if self.bf16 is None else (self.bf16.keys, self.bf16.values)
-        return self.keys, self.values, self.offset, side
+        return self.keys, self.values, self.offset
 
     def size(self) -> int:
         return int(self.cols.counts.max(initial=0))
@@ -294,10 +226,9 @@ class BatchedKVCache(RowOffsets, CacheContract):
 
     @property
     def nbytes(self) -> int:
-        side = 0 if self.bf16 is None else self.bf16.nbytes
         if self.keys is None:
-            return side
-        return sum(a.nbytes for a in self.keys + self.values) + side
+            return 0
+        return sum(a.nbytes for a in self.keys + self.values)
 
     def bytes_per_token(self) -> int:
         return 0 if self.keys is None else row_bytes(*self.keys, *self.values)
@@ -305,19 +236,13 @@ class BatchedKVCache(RowOffsets, CacheContract):
     def projected_bytes(self, rows=(), tokens: int = 0) -> int:
         """Bytes this batch will hold once rows holding ``rows`` positions each have joined
         and every row has appended ``tokens`` more, within one allocation step (``step``
-        columns of every row) of what it will really hold. Rows still short of a bf16-first
-        start count their bf16 positions too."""
+        columns of every row) of what it will really hold."""
         per_column = self._column_bytes()
         if per_column is None:
             return self.nbytes
         counts = np.concatenate([self.cols.counts, np.asarray(rows, dtype=np.int64)]) + tokens
         stored = np.minimum(counts, self._stored_limit())
-        width = round_up(int(stored.max(initial=0)) + 1, self.step)
-        total = per_column * len(counts) * width
-        if self.pending is not None:
-            offsets = np.concatenate([self.offsets, np.asarray(rows, dtype=np.int64)]) + tokens
-            total += int((~self.pending.due(offsets)).sum()) * width * self._bf16_column_bytes()
-        return total
+        return per_column * len(counts) * round_up(int(stored.max(initial=0)) + 1, self.step)
 
     def _stored_limit(self) -> int:
         """Positions a row can hold after an append (rings: max_size - 1 plus the append)."""
@@ -328,11 +253,6 @@ class BatchedKVCache(RowOffsets, CacheContract):
         if self.keys is None:
             return None
         return row_bytes(*self.keys, *self.values)
-
-    def _bf16_column_bytes(self) -> int:
-        """Bytes of one column of one unconverted row (keys and values in the model dtype)."""
-        H, d = self.keys[0].shape[1], self.fmt.storage.head_dim(self.keys)
-        return 2 * H * d * (self.dtype or mx.bfloat16).size
 
     def is_trimmable(self) -> bool:
         """Plain, affine and TurboQuant rows always; ring rows while no row has wrapped."""
@@ -382,29 +302,18 @@ class BatchedKVCache(RowOffsets, CacheContract):
         """Hook run after rows were trimmed by ``counts`` (Q-Filters thaws)."""
 
     def dense_window(self):
-        """All rows' stored columns, decoded (each row in its own precision), padding
-        included (``stored_mask`` says which)."""
+        """All rows' stored columns ``[cols.lo, cols.idx)``, decoded, padding included
+        (``stored_mask`` says which)."""
         if self.keys is None or not self.cols.counts.any():
             return None
         lo, idx, st = self.cols.lo, self.cols.idx, self.fmt.storage
         cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
         dtype = self.dtype or mx.bfloat16
-        keys, values = st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
-        return (keys, values) if self.bf16 is None else self.bf16.overlay(keys, values, lo, idx)
+        return st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
 
     def read_block(self, keys: mx.array, values: mx.array) -> AttentionRead:
         """Attend each row's stored positions plus the block; padding and gaps stay hidden."""
-        stored = self.dense_window()
-        if stored is None:
-            return AttentionRead(keys, values, None)
-        B, L = keys.shape[0], keys.shape[2]
-        visible = mx.concatenate([stored_mask(self.cols, self.cols.lo), mx.ones((B, L), mx.bool_)], axis=1)
-        sk, sv = stored
-        return AttentionRead(
-            mx.concatenate([sk, keys.astype(sk.dtype)], axis=2),
-            mx.concatenate([sv, values.astype(sv.dtype)], axis=2),
-            visible[:, None, None, :],
-        )
+        return block_read(self.cols, self.dense_window(), keys, values)
 
     # -- row surgery ----------------------------------------------------------------------
     def _compatible(self, other):
@@ -420,12 +329,6 @@ class BatchedKVCache(RowOffsets, CacheContract):
             and (self.keys[0].shape[1] != other.keys[0].shape[1] or self.keys[0].dtype != other.keys[0].dtype)
         ):
             raise CacheConfigError(f"{self.kind}: rows with other head geometry or dtype cannot be joined")
-        mine, theirs = self.pending, other.pending
-        if mine is not None and theirs is not None and (mine.scheme, mine.start) != (theirs.scheme, theirs.start):
-            raise CacheConfigError(
-                f"{self.kind}: rows converting to {theirs.scheme} at {theirs.start} cannot join rows converting "
-                f"to {mine.scheme} at {mine.start}"
-            )
         if self._remaining is not None or other._remaining is not None:
             raise MLXKVError(f"{self.kind}: rows cannot join in the middle of a padded prefill (finalize first)")
 
@@ -457,7 +360,6 @@ class BatchedKVCache(RowOffsets, CacheContract):
             else:
                 keys = widened(c, c.keys, like.keys, st.key_fills)
                 sides.append((keys, widened(c, c.values, like.values, st.value_fills), cols))
-        bf16 = _joined_bf16(self, other, T, slack)
         if like.keys is not None:
             self.keys = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
             self.values = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))
@@ -469,17 +371,13 @@ class BatchedKVCache(RowOffsets, CacheContract):
         )
         self.row_state = {k: _concat_rows(v, other.row_state[k]) for k, v in self.row_state.items()}
         self.dtype = self.dtype or other.dtype
-        self.pending = self.pending or other.pending
-        self.bf16 = bf16
-        self._window_affine = st.affine and bf16 is None
         return self
 
     def filter_rows(self, keep):
         """Keep rows ``keep`` (in that order): one take along the rows; the columns left of
-        every survivor's first position go, the others (and the slack) stay where they are."""
+        every survivor's first position go, the others (and the slack) stay where they are.
+        Inside a padded prefill each survivor keeps its count of real tokens to come."""
         keep = np.asarray(keep, dtype=np.int64).reshape(-1)
-        if self._remaining is not None:
-            raise MLXKVError(f"{self.kind}: rows cannot leave in the middle of a padded prefill (finalize first)")
         for i in keep:
             check_row(int(i), self.batch_size)
         keep = keep % max(self.batch_size, 1)
@@ -489,65 +387,47 @@ class BatchedKVCache(RowOffsets, CacheContract):
             rows = mx.array(keep.astype(np.int32))
             self.keys = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.keys)
             self.values = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.values)
-        self.bf16 = None if self.bf16 is None else self.bf16.taken(keep, shift)
         self.cols = cols.shifted(-shift)
         self._set_offsets(self.offsets[keep])
         self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]
         self.row_state = {k: _take_rows(v, keep) for k, v in self.row_state.items()}
-        self._window_affine = self.fmt.storage.affine and self.bf16 is None
+        if self._remaining is not None:
+            self._remaining = self._remaining[keep]
         return self
 
     def extract_row(self, i: int):
-        """Row ``i`` as an owned serial cache of its own kind at its own offset (a bf16-first
-        row as a ``Bf16FirstCache`` holding the storage its serial twin holds)."""
+        """Row ``i`` as an owned serial cache of its own kind at its own offset."""
         i = check_row(i, self.batch_size)
         rows = np.array([i])
         count = int(self.cols.counts[i])
-        offset = int(self.offsets[i])
-        if self.bf16 is not None and i in self.bf16.rows:
-            row = self.bf16.extract(i, count, self.cols.idx, offset)
+        if self.keys is None or count == 0:
+            k = v = None
         else:
-            if self.keys is None or count == 0:
-                k = v = None
-            else:
-                st = self.fmt.storage
-                src, valid = source_columns(self.cols, rows, count)
-                k = gather_columns(self.keys, rows, src, valid, st.key_fills)
-                v = gather_columns(self.values, rows, src, valid, st.value_fills)
-            extras = {name: _take_rows(a, rows) for name, a in self.row_state.items()}
-            row = self.fmt.restore(k, v, offset, count, self.dtype, extras)
+            st = self.fmt.storage
+            src, valid = source_columns(self.cols, rows, count)
+            k = gather_columns(self.keys, rows, src, valid, st.key_fills)
+            v = gather_columns(self.values, rows, src, valid, st.value_fills)
+        extras = {name: _take_rows(a, rows) for name, a in self.row_state.items()}
+        row = self.fmt.restore(k, v, int(self.offsets[i]), count, self.dtype, extras)
         row.masks = self.masks
         row.minimum_reusable_offset = int(self.row_minimum_reusable_offsets[i])
-        if self.pending is not None:
-            row = Bf16FirstCache(self.pending, row)
         return row
 
-    # mlx-lm's names for the same surgery (its BatchGenerator calls these); methods, so a
-    # layout that overrides the surgery is reached through either name
-    def extend(self, other):
-        return self.extend_rows(other)
 
-    def filter(self, batch_indices):
-        return self.filter_rows(batch_indices)
-
-    def extract(self, idx: int):
-        return self.extract_row(idx)
-
-
-def _joined_bf16(a: BatchedKVCache, b: BatchedKVCache, T: int, slack: int) -> Bf16Rows | None:
-    """The side store of ``a`` joined by ``b``'s rows, both left-padded to T columns plus the
-    slack, as the batch's arrays are."""
-    sides = [(c, c.bf16) for c in (a, b) if c.bf16 is not None]
-    if not sides:
-        return None
-    rows = np.concatenate([side.rows + (0 if c is a else a.batch_size) for c, side in sides])
-    arrays = [side.widened(T - c.cols.idx, c.cols.idx, slack) for c, side in sides]
-    ref = next((x for x in arrays if x is not None), None)
-    if ref is None:
-        return Bf16Rows(rows)
-    blank = lambda n: mx.zeros((n, ref[0].shape[1], T + slack, ref[0].shape[3]), ref[0].dtype)
-    parts = [x if x is not None else (blank(len(side)), blank(len(side))) for (_, side), x in zip(sides, arrays)]
-    return Bf16Rows(rows, mx.concatenate([p[0] for p in parts]), mx.concatenate([p[1] for p in parts]))
+def block_read(cols: Columns, stored, keys: mx.array, values: mx.array) -> AttentionRead:
+    """The block read over a batch laid out as ``cols`` whose decoded columns
+    ``[cols.lo, cols.idx)`` are ``stored`` (None when empty): each row attends its stored
+    positions plus the block; padding and gaps stay hidden."""
+    if stored is None:
+        return AttentionRead(keys, values, None)
+    B, L = keys.shape[0], keys.shape[2]
+    visible = mx.concatenate([stored_mask(cols, cols.lo), mx.ones((B, L), mx.bool_)], axis=1)
+    sk, sv = stored
+    return AttentionRead(
+        mx.concatenate([sk, keys.astype(sk.dtype)], axis=2),
+        mx.concatenate([sv, values.astype(sv.dtype)], axis=2),
+        visible[:, None, None, :],
+    )
 
 
 def round_up(n: int, step: int) -> int:

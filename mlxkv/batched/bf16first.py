@@ -1,133 +1,343 @@
-"""The rows of a bf16-first batch that have not converted yet (``kv4-start256``,
-``turbo-k8v3-start256``, ``turbo-k8v3``).
+"""``Bf16FirstBatch``: a batch of bf16-first rows (``kv4-start256``, ``turbo-k8v3``,
+``turbo-k4v2-start256``), the batched twin of the serial ``Bf16FirstCache``.
 
-A bf16-first batch is the target's layout (affine or TurboQuant rows, ``BatchedKVCache``)
-in which every row, converted or not, stores every position in the target's encoding: an
-append encodes each position on its own, so the encoding a row accumulates is byte for byte
-what its conversion would produce from its bf16 window. The rows still short of their start
-also keep their positions in the model's dtype here, in the batch's own columns, and attend
-those: a row attends bf16 until an append leaves it holding ``start`` positions and its
-target encoding from the next append on, exactly as the serial ``Bf16FirstCache``. A row
-converts by leaving this side store (``PendingConversion.due`` decides, per row, at the end
-of each append). When no row is left, the batch is the target's batch and costs nothing more.
+It wraps two batches of the general class (``batched.attention``). ``target`` holds every
+row in the target's layout and encoding (affine or TurboQuant rows): an append encodes each
+position on its own, so what an unconverted row accumulates there is byte for byte what its
+conversion would encode from its bf16 window. ``bf16`` is a plain batch of the rows still
+short of their start (``bf16_rows``: their indices in the batch, ascending), which keeps their
+positions in the model's dtype and is what they attend. After each append the rows that
+reached their start convert (``PendingConversion.due``, per row: the serial cache's rule) by
+leaving ``bf16``; when none is left the batch is exactly its target.
+
+Each row attends with the arithmetic its serial twin uses. A converted row attends the
+target's read of the whole batch (mlx-lm's quantized SDPA over affine triples, the dense
+kernel over decoded TurboQuant codes); a row short of its start attends its bf16 positions
+through the dense kernel. When the target is attended by the dense kernel too, one window
+holds both (the unconverted rows' bf16 columns in place of their codes); when it is not, the
+read is a :class:`PrecisionSplit`, which mlx-lm's attention hands back to mlxkv
+(``caches.routed_reads``): the target's attention over every row, then the unconverted rows'
+own. Either way every row's logits are its serial twin's, bit for bit.
+
+Both batches hold linear rows (bf16-first targets have no ring or eviction form), so every
+row of either ends at its batch's last column and holds the same positions in both: the
+columns the target's mask gives a row, read from the right, are the columns the plain batch
+gives it.
 """
 
+import copy
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..caches.plain import KVCache
-from .columns import Columns, gather_columns, source_columns, stack_left_padded
+from ..caches.routed_reads import RoutedRead
+from ..caches.rows import merge_rows
+from ..caches.transition import Bf16FirstCache
+from ..errors import CacheConfigError
+from .attention import MlxLmRowSurgery, block_read, round_up
+from .columns import check_row
 
 
-@dataclass(eq=False)
-class Bf16Rows:
-    """Batch rows ``rows`` (ascending) in the model's dtype: ``keys``/``values`` are
-    ``[len(rows), H, capacity, D]`` over the batch's columns (None until something is stored)."""
+def _i32(rows: np.ndarray) -> mx.array:
+    return mx.array(rows.astype(np.int32))
 
-    rows: np.ndarray
-    keys: mx.array | None = None
-    values: mx.array | None = None
+
+def _last_columns(mask, rows: mx.array, width: int):
+    """The mask of ``rows`` over the last ``width`` columns (a plain batch's window)."""
+    if mask is None or isinstance(mask, str):
+        return mask
+    return mx.take(mask, rows, axis=0)[..., mask.shape[-1] - width :]
+
+
+@dataclass(frozen=True, eq=False)
+class PrecisionSplit(RoutedRead):
+    """A mixed batch's read: mlx-lm's attention of ``target`` (routed on it: its quantized
+    SDPA) over ``keys``/``values`` for every row, then the dense kernel over the bf16
+    windows of ``bf16_rows``, which take that output instead."""
+
+    target: object
+    keys: tuple
+    values: tuple
+    bf16_rows: mx.array
+    bf16_keys: mx.array
+    bf16_values: mx.array
+
+    def attend(self, queries, scale: float, mask):
+        # the bf16 rows first: mlx-lm's quantized SDPA scales ``queries`` in place
+        own = scaled_dot_product_attention(
+            mx.take(queries, self.bf16_rows, axis=0),
+            self.bf16_keys,
+            self.bf16_values,
+            cache=None,
+            scale=scale,
+            mask=_last_columns(mask, self.bf16_rows, self.bf16_keys.shape[2]),
+        )
+        out = scaled_dot_product_attention(queries, self.keys, self.values, cache=self.target, scale=scale, mask=mask)
+        out[self.bf16_rows] = own.astype(out.dtype)
+        return out
+
+
+class Bf16FirstBatch(MlxLmRowSurgery):
+    """``target`` (every row), ``pending`` (the conversion rule), ``bf16`` (a plain batch of
+    the rows ``bf16_rows`` not converted yet, or None)."""
+
+    def __init__(self, target, pending, bf16=None, bf16_rows=()):
+        self.target = target
+        self.pending = pending
+        self.bf16 = bf16
+        self.bf16_rows = np.asarray(bf16_rows, dtype=np.int64)
+        if bf16 is not None:
+            bf16.masks = target.masks
 
     @classmethod
-    def merge(cls, rows: np.ndarray, plains, counts: np.ndarray, end: int, width: int) -> "Bf16Rows":
-        """From serial plain caches (one per entry of ``rows``) holding ``counts`` positions,
-        right-aligned at column ``end`` of ``width`` columns, as the batch places them."""
-        rows = np.asarray(rows, dtype=np.int64)
-        full = [p for p, c in zip(plains, counts) if c > 0]
-        if not full:
-            return cls(rows)
-        part = lambda p, c, name: (getattr(p if c > 0 else full[0], name)[..., :c, :],)
-        (keys,) = stack_left_padded([part(p, c, "keys") for p, c in zip(plains, counts)], counts, width, end=end)
-        (values,) = stack_left_padded([part(p, c, "values") for p, c in zip(plains, counts)], counts, width, end=end)
-        return cls(rows, keys, values)
+    def merge(cls, target, pending, plains: dict) -> "Bf16FirstBatch":
+        """From the target batch of every row and ``plains`` (row index -> its plain cache)."""
+        rows = np.array(sorted(plains), dtype=np.int64)
+        bf16 = merge_rows([plains[i] for i in rows]) if len(rows) else None
+        return cls(target, pending, bf16, rows)
 
-    def __len__(self) -> int:
-        return len(self.rows)
+    # -- identity and position: the target's ----------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.target.kind
+
+    @property
+    def masks(self):
+        return self.target.masks
+
+    @masks.setter
+    def masks(self, value):
+        self.target.masks = value
+        if self.bf16 is not None:
+            self.bf16.masks = value
+
+    @property
+    def offset(self) -> mx.array:
+        return self.target.offset
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.target.offsets
+
+    @property
+    def batch_size(self) -> int:
+        return self.target.batch_size
+
+    @property
+    def row_minimum_reusable_offsets(self) -> np.ndarray:
+        return self.target.row_minimum_reusable_offsets
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return self.target.minimum_reusable_offset
+
+    @property
+    def keys(self):
+        return self.target.keys
+
+    @property
+    def values(self):
+        return self.target.values
+
+    @property
+    def dtype(self):
+        return self.target.dtype
+
+    # mlx-lm takes its quantized SDPA (and so a PrecisionSplit's route) on hasattr(cache, "bits")
+    @property
+    def bits(self) -> int:
+        return self.target.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.target.group_size
+
+    # -- appends ----------------------------------------------------------------------------
+    def prepare(self, *, lengths=None, right_padding=None, left_padding=None):
+        self.target.prepare(lengths=lengths, right_padding=right_padding, left_padding=left_padding)
+        if self.bf16 is not None and right_padding is not None and max(right_padding, default=0) > 0:
+            pick = lambda x: np.asarray(x, dtype=np.int64).reshape(-1)[self.bf16_rows]
+            self.bf16.prepare(lengths=pick(lengths), right_padding=pick(right_padding))
+
+    def finalize(self):
+        self.target.finalize()
+        if self.bf16 is not None:
+            self.bf16.finalize()
+
+    def make_mask(self, *args, **kwargs):
+        return self.target.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        k, v = self.target.update_and_fetch(keys, values)
+        if self.bf16 is None:
+            return k, v
+        sel = _i32(self.bf16_rows)
+        bk, bv = self.bf16.update_and_fetch(mx.take(keys, sel, axis=0), mx.take(values, sel, axis=0))
+        read = self._read(k, v, sel, bk, bv)
+        self._convert_due_rows()
+        return read
+
+    def _read(self, k, v, sel, bk, bv):
+        """What this append attends: one dense window when the target is attended densely,
+        else the split."""
+        if hasattr(self.target, "bits"):
+            split = PrecisionSplit(self.target, k, v, sel, bk, bv)
+            return split, split
+        return _overlaid(k, sel, bk), _overlaid(v, sel, bv)
+
+    def _convert_due_rows(self):
+        """Rows whose append reached their start convert: their target encoding is stored
+        already, so they leave the plain batch and raise their reuse floor."""
+        due = self.pending.due(self.offsets[self.bf16_rows])
+        if not due.any():
+            return
+        floors = self.target.row_minimum_reusable_offsets.copy()
+        leaving = self.bf16_rows[due]
+        floors[leaving] = np.maximum(floors[leaving], self.pending.floor(self.offsets[leaving]))
+        self.target.row_minimum_reusable_offsets = floors
+        self._keep_bf16(~due)
+
+    def _keep_bf16(self, stay: np.ndarray):
+        """Keep the plain rows ``stay`` (a mask over ``bf16_rows``)."""
+        if not stay.any():
+            self.bf16, self.bf16_rows = None, self.bf16_rows[:0]
+            return
+        if not stay.all():
+            self.bf16.filter_rows(np.nonzero(stay)[0])
+            self.bf16_rows = self.bf16_rows[stay]
+
+    # -- contract ---------------------------------------------------------------------------
+    @property
+    def state(self):
+        return self.target.state, None if self.bf16 is None else self.bf16.state
+
+    def size(self) -> int:
+        return self.target.size()
+
+    def empty(self) -> bool:
+        return self.target.empty()
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return self.target.nbytes + (0 if self.bf16 is None else self.bf16.nbytes)
 
-    def _pick(self, x: mx.array) -> mx.array:
-        return mx.take(x, mx.array(self.rows.astype(np.int32)), axis=0)
+    def bytes_per_token(self) -> int:
+        return self.target.bytes_per_token()
 
-    # -- appends --------------------------------------------------------------------------
-    def write(self, keys: mx.array, values: mx.array, at: int, capacity: int):
-        """Store the new positions of these rows at columns ``[at, at + N)``."""
-        k, v = self._pick(keys), self._pick(values)
-        if self.keys is None:
-            shape = lambda x: (len(self.rows), x.shape[1], capacity, x.shape[3])
-            self.keys, self.values = mx.zeros(shape(k), k.dtype), mx.zeros(shape(v), v.dtype)
-        N = k.shape[2]
-        self.keys[..., at : at + N, :] = k
-        self.values[..., at : at + N, :] = v
+    def keys_and_values(self):
+        return self.target.keys_and_values()
 
-    def regathered(self, cols: Columns, end: int, width: int, counts=None) -> "Bf16Rows":
-        """These rows repacked as the batch repacks: right-aligned at column ``end`` of
-        ``width`` columns from ``cols`` (each row's first ``counts[row]`` positions when given)."""
-        if self.keys is None:
-            return self
-        own = np.arange(len(self.rows))
-        kept = None if counts is None else np.asarray(counts)[self.rows]
-        src, valid = source_columns(cols, self.rows, width, kept, end)
-        keys, values = (gather_columns((a,), own, src, valid)[0] for a in (self.keys, self.values))
-        return Bf16Rows(self.rows, keys, values)
+    def projected_bytes(self, rows=(), tokens: int = 0) -> int:
+        """The target's projection plus the plain columns of every row (of these and of
+        ``rows`` joining) that is still short of its start after ``tokens`` more."""
+        total = self.target.projected_bytes(rows, tokens)
+        per_column = self._bf16_column_bytes()
+        if per_column is None:
+            return total + self.nbytes - self.target.nbytes
+        offsets = np.concatenate([self.offsets, np.asarray(rows, dtype=np.int64)]) + tokens
+        short = offsets[~self.pending.due(offsets)]
+        width = round_up(int(short.max(initial=0)) + 1, self.target.step)
+        return total + len(short) * width * per_column
 
-    def window(self, lo: int, idx: int):
-        return self.keys[..., lo:idx, :], self.values[..., lo:idx, :]
+    def _bf16_column_bytes(self) -> int | None:
+        """Bytes of one plain column of one row (None before the geometry is known)."""
+        if self.bf16 is not None and self.bf16.keys is not None:
+            return self.bf16._column_bytes()
+        t = self.target
+        if t.keys is None:
+            return None
+        H, d = t.keys[0].shape[1], t.fmt.storage.head_dim(t.keys)
+        return 2 * H * d * (t.dtype or mx.bfloat16).size
 
-    def overlay(self, keys: mx.array, values: mx.array, lo: int, idx: int):
-        """Dense batch windows with these rows' bf16 positions in place of their target
-        encoding (each row attends its own precision)."""
-        if self.keys is None:
-            return keys, values
-        k, v = self.window(lo, idx)
-        sel = mx.array(self.rows.astype(np.int32))
-        keys[sel] = k.astype(keys.dtype)
-        values[sel] = v.astype(values.dtype)
-        return keys, values
+    def is_trimmable(self) -> bool:
+        return self.target.is_trimmable()
+
+    def trim(self, n: int) -> int:
+        n = self.target.trim(n)
+        if self.bf16 is not None and n:
+            self.bf16.trim(n)
+        return n
+
+    def trim_rows(self, counts) -> np.ndarray:
+        counts = self.target.trim_rows(counts)  # checks every row first: nothing changes on a refusal
+        if self.bf16 is not None and counts.any():
+            self.bf16.trim_rows(counts[self.bf16_rows])
+        return counts
+
+    def dense_window(self):
+        """Every row's stored columns decoded, the unconverted rows' bf16 ones in place."""
+        stored = self.target.dense_window()
+        own = None if self.bf16 is None else self.bf16.dense_window()
+        if stored is None or own is None:
+            return stored
+        sel = _i32(self.bf16_rows)
+        return _overlaid(stored[0], sel, own[0]), _overlaid(stored[1], sel, own[1])
+
+    def read_block(self, keys: mx.array, values: mx.array):
+        return block_read(self.target.cols, self.dense_window(), keys, values)
 
     # -- row surgery ------------------------------------------------------------------------
-    def taken(self, keep: np.ndarray, shift: int) -> "Bf16Rows | None":
-        """The side store after the batch keeps rows ``keep`` and drops its first ``shift``
-        columns (None when no survivor is bf16)."""
-        where = {int(r): j for j, r in enumerate(self.rows)}
-        new_rows = np.array([j for j, r in enumerate(keep) if int(r) in where], dtype=np.int64)
-        if not len(new_rows):
-            return None
-        out = Bf16Rows(new_rows)
-        if self.keys is not None:
-            own = mx.array(np.array([where[int(keep[j])] for j in new_rows], dtype=np.int32))
-            out.keys = mx.take(self.keys, own, axis=0)[..., shift:, :]
-            out.values = mx.take(self.values, own, axis=0)[..., shift:, :]
-        return out
+    def _parts(self, other):
+        """(target, bf16, bf16_rows) of a batch joining this one: a bf16-first batch, or
+        a batch of the target's layout (rows that are all in the target's storage)."""
+        if isinstance(other, Bf16FirstBatch):
+            mine, theirs = self.pending, other.pending
+            if (mine.scheme, mine.start) != (theirs.scheme, theirs.start):
+                raise CacheConfigError(
+                    f"{self.kind}: rows converting to {theirs.scheme} at {theirs.start} cannot join rows "
+                    f"converting to {mine.scheme} at {mine.start}"
+                )
+            return other.target, other.bf16, other.bf16_rows
+        return other, None, np.zeros(0, dtype=np.int64)
 
-    def without(self, leaving: np.ndarray) -> "Bf16Rows | None":
-        """The side store once ``leaving`` (batch row indices) have converted."""
-        stay = ~np.isin(self.rows, leaving)
-        if not stay.any():
-            return None
-        out = Bf16Rows(self.rows[stay])
-        if self.keys is not None:
-            sel = mx.array(np.nonzero(stay)[0].astype(np.int32))
-            out.keys, out.values = mx.take(self.keys, sel, axis=0), mx.take(self.values, sel, axis=0)
-        return out
+    def extend_rows(self, other):
+        """Join ``other``'s rows after ours (in place)."""
+        target, bf16, rows = self._parts(other)
+        if self.bf16 is not None and bf16 is not None:
+            self.bf16._compatible(bf16)  # refuses before anything changes
+        B = self.batch_size
+        self.target.extend_rows(target)
+        if bf16 is not None:
+            if self.bf16 is None:
+                self.bf16 = copy.deepcopy(bf16)  # owned: appends write the plain batch in place
+                self.bf16.masks = self.target.masks
+            else:
+                self.bf16.extend_rows(bf16)
+            self.bf16_rows = np.concatenate([self.bf16_rows, rows + B])
+        return self
 
-    def widened(self, left: int, idx: int, slack: int) -> tuple[mx.array, mx.array] | None:
-        """Arrays cut to ``idx`` columns, left-padded by ``left`` and right-padded by ``slack``
-        (a batch joining another)."""
-        if self.keys is None:
-            return None
-        pad = lambda a: mx.pad(a[..., :idx, :], [(0, 0), (0, 0), (left, slack), (0, 0)])
-        return pad(self.keys), pad(self.values)
+    def filter_rows(self, keep):
+        """Keep rows ``keep`` (in that order), in both batches."""
+        B = self.batch_size
+        keep = np.array([check_row(int(i), B) for i in np.asarray(keep).reshape(-1)], dtype=np.int64)
+        where = {int(r): j for j, r in enumerate(self.bf16_rows)}
+        survivors = [(new, where[int(r)]) for new, r in enumerate(keep) if int(r) in where]
+        self.target.filter_rows(keep)
+        if survivors:
+            self.bf16.filter_rows([j for _, j in survivors])
+            self.bf16_rows = np.array([new for new, _ in survivors], dtype=np.int64)
+        else:
+            self.bf16, self.bf16_rows = None, self.bf16_rows[:0]
+        return self
 
-    def extract(self, i: int, count: int, idx: int, offset: int) -> KVCache:
-        """Batch row ``i`` (one of ``rows``) as an owned plain cache of its ``count`` positions."""
-        j = int(np.nonzero(self.rows == i)[0][0])
-        row = KVCache()
-        if self.keys is None or count == 0:
-            return row
-        cut = lambda a: mx.contiguous(a[j : j + 1, :, idx - count : idx, :])
-        return row.adopt(cut(self.keys), cut(self.values), offset)
+    def extract_row(self, i: int) -> Bf16FirstCache:
+        """Row ``i`` as the ``Bf16FirstCache`` its serial twin is: holding its plain cache
+        while short of its start, else its target storage."""
+        i = check_row(i, self.batch_size)
+        hit = np.nonzero(self.bf16_rows == i)[0]
+        row = self.bf16.extract_row(int(hit[0])) if len(hit) else self.target.extract_row(i)
+        row.minimum_reusable_offset = int(self.row_minimum_reusable_offsets[i])
+        return Bf16FirstCache(self.pending, row)
+
+    def __repr__(self):
+        return f"Bf16FirstBatch(kind={self.kind!r}, rows={self.batch_size}, bf16 rows={self.bf16_rows.tolist()})"
+
+
+def _overlaid(window: mx.array, rows: mx.array, own: mx.array) -> mx.array:
+    """A dense window ``[B, H, W, D]`` with ``rows`` replaced on its last columns by ``own``
+    ``[len(rows), H, W', D]``."""
+    width = own.shape[2]
+    window[rows, :, window.shape[2] - width :, :] = own.astype(window.dtype)
+    return window

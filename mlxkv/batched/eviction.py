@@ -15,8 +15,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MLXKVError
-from .attention import BatchedKVCache, RowFormat
+from .attention import BatchedKVCache
 from .columns import Columns
+from .row_format import RowFormat
 from .storages import EvictionStorage
 
 

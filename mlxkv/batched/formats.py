@@ -13,7 +13,7 @@ from ..caches.plain import KVCache
 from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
 from ..caches.turboquant import TurboQuantKVCache
-from .attention import RowFormat
+from .row_format import RowFormat
 from .storages import AffineStorage, PlainStorage, TurboStorage
 
 

@@ -12,8 +12,8 @@ when the buffer is full the same repack gather. Inside, the new position is enco
 written at a traced column, and the stand-in's mask is ``visibility_mask``'s rule
 (``columns.visible``) over traced per-row columns, so padding, gaps, evicted and unwritten
 columns stay hidden. The commit adopts the written buffers and finishes the append as the
-eager ``update_and_fetch`` does (columns, offsets, ``_after_append``, ``_convert_due_rows``),
-so the stored bytes are the eager step's.
+eager ``update_and_fetch`` does (columns, offsets, ``_after_append``), so the stored bytes
+are the eager step's.
 
 Phases: ``window`` (rows = the columns attended); ``eager`` for an empty batch's first append and
 for a step inside a padded prefill (``prepare`` .. ``finalize``), which are prefill steps.
@@ -32,6 +32,7 @@ import numpy as np
 
 from ..caches.decode_slot import DecodeSlot, EagerLayout, Phase
 from ..errors import MLXKVError, UnknownKindError
+from .bf16first import Bf16FirstBatch
 from .columns import visible
 
 #: the columns a step attends are the buffer's first columns up to the append's, rounded up
@@ -59,21 +60,24 @@ def _plan(cache):
 
 
 def batched_attention_slot(cache) -> DecodeSlot:
-    """The slot of a ``BatchedKVCache`` of plain, affine, ring or TurboQuant rows."""
+    """The slot of a ``BatchedKVCache`` of plain, affine, ring or TurboQuant rows (a
+    bf16-first batch's once every row has converted: its target's)."""
     kind = cache.kind
+    if isinstance(cache, Bf16FirstBatch):
+        if cache.bf16 is not None:
+            raise UnknownKindError(
+                kind,
+                f"bf16-first rows {cache.bf16_rows.tolist()} have not converted yet and attend their bf16 "
+                "positions; the batch decodes compiled once every row has converted",
+            )
+        cache = cache.target
     if cache.keys is None or cache._remaining is not None:
         return DecodeSlot(EagerLayout(Phase(kind, "eager")), (), None)
-    if cache.bf16 is not None:
-        raise UnknownKindError(
-            kind,
-            f"bf16-first rows {cache.bf16.rows.tolist()} have not converted yet and attend their bf16 "
-            "positions; the batch decodes compiled once every row has converted",
-        )
     p, where = _plan(cache)
     keys, values = cache.keys, cache.values
     if p.pack is not None:  # the buffer is full: the eager append's own repack
         src, grown = p.pack
-        keys, values, _ = cache._repacked(src, p.cols.idx - 1, grown)
+        keys, values = cache._repacked(src, p.cols.idx - 1, grown)
     st, cols = cache.fmt.storage, p.cols
     capacity = keys[0].shape[2]
     width = min(capacity, -(-cols.idx // ATTEND_STEP) * ATTEND_STEP)
@@ -86,9 +90,7 @@ def batched_attention_slot(cache) -> DecodeSlot:
         cache.dtype = dtype
         cache.cols = cols
         cache._set_offsets(cache.offsets + 1)
-        cache._window_affine = st.affine
         cache._after_append(1)
-        cache._convert_due_rows()
 
     return DecodeSlot(layout, arrays, commit)
 

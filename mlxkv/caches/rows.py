@@ -144,23 +144,34 @@ def transaction(layers: Sequence):
     """Apply a change to every layer of a model's batch or to none: each layer's attributes
     are kept (stored arrays are values, never written in place by row surgery) and put
     back if any layer raises."""
-    saved = [_attributes(c) for c in layers]
+    saved = [_saved(c) for c in layers]
     try:
         yield
     except BaseException:
-        for c, attrs in zip(layers, saved):
-            c.__dict__.clear()
-            c.__dict__.update(attrs)
+        for restore in saved:
+            restore()
         raise
 
 
-def _attributes(cache) -> dict:
-    """A layer's attributes, with its mutable containers copied one level deep."""
-    out = dict(cache.__dict__)
-    for name, value in out.items():
+def _saved(cache):
+    """A function that puts ``cache``'s attributes back as they are now: mutable containers
+    copied one level deep, and the batches it is made of (a bf16-first batch's two) saved
+    the same way."""
+    attrs = dict(cache.__dict__)
+    parts = []
+    for name, value in attrs.items():
         if isinstance(value, (dict, list)):
-            out[name] = copy.copy(value)
-    return out
+            attrs[name] = copy.copy(value)
+        elif hasattr(value, "extract_row"):
+            parts.append(_saved(value))
+
+    def restore():
+        cache.__dict__.clear()
+        cache.__dict__.update(attrs)
+        for part in parts:
+            part()
+
+    return restore
 
 
 def merge_model_rows(requests: Sequence[Sequence]) -> list:
