@@ -185,7 +185,7 @@ def _batch_arrays(b):
         return [a for a in b.cache if a is not None]
     if isinstance(b, Bf16FirstBatch):
         return _batch_arrays(b.target) + ([] if b.bf16 is None else _batch_arrays(b.bf16))
-    return list(b.keys or ()) + list(b.values or ())
+    return list(b.key_arrays or ()) + list(b.value_arrays or ())
 
 
 # -- transactions -----------------------------------------------------------------------------
@@ -311,3 +311,32 @@ def test_kv_bits_is_refused_instead_of_replacing_the_caches(models, scheme):
         warnings.simplefilter("error")
         steps = list(generate_step(mx.array(prompt(8)), model, max_tokens=2, prompt_cache=caches, kv_bits=4))
     assert len(steps) == 2 and [type(c) for c in caches] == kinds
+
+
+# -- what mlx-lm's code reads off a batch ------------------------------------------------------
+
+
+def test_a_batch_shows_keys_and_values_as_mlx_lms_batch_cache_does(models):
+    """mlx-lm's own ``BatchKVCache.merge`` of the same serial caches is the yardstick: one
+    ``[B, H, T, D]`` array each, the rows in the same columns, ``keys_and_values()`` the same
+    cut. mlx-lm's pipeline-parallel models assign ``cache[-1].keys = mx.depends(cache[-1].keys,
+    h)``: the batch then decodes as before (affine rows show and take their triples)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    model = models("llama")
+    rows = [prefilled(model, "bf16", prompt(n, seed=n)) for n in (5, 12, 9)]
+    ours = mlxkv.merge_rows([r[0] for r in rows])
+    theirs = BatchKVCache.merge([r[0] for r in rows])
+    for mine, yard in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+        assert isinstance(mine, mx.array) and mine.ndim == 4 and mine.shape[:2] == yard.shape[:2]
+        assert mx.array_equal(mine[..., : yard.shape[2], :], yard)
+    for mine, yard in zip(ours.keys_and_values(), theirs.keys_and_values()):
+        assert mine.shape == yard.shape and mx.array_equal(mine, yard)
+    for scheme in ("bf16", "kv4", "kv4-start16"):
+        batch, twin = (mlxkv.merge_model_rows([prefilled(model, scheme, prompt(n)) for n in (5, 20)]) for _ in "ab")
+        h = mx.ones((1,))
+        batch[-1].keys = mx.depends(batch[-1].keys, h)  # as mlx-lm's qwen2 pipeline does
+        shown = batch[-1].keys
+        assert (len(shown) == 3) if scheme != "bf16" else isinstance(shown, mx.array)
+        y = mx.array([[3], [4]])
+        assert mx.array_equal(model(y, cache=batch), model(y, cache=twin)), scheme

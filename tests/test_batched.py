@@ -399,7 +399,7 @@ def test_eviction_rows_keep_the_serial_kept_sets(models, case):
     stream = [prompt(40, seed=50 + i) for i in range(3)]
     serial = [req.fresh(p)[0] for p in prompts]
     batch = mlxkv.merge_model_rows([req.fresh(p)[0] for p in prompts])
-    pad = np.array(batch[0].keys[1][0, :, : 16 - LENS[0], 0])  # rows 1 and 2 hold the budget
+    pad = np.array(batch[0].key_arrays[1][0, :, : 16 - LENS[0], 0])  # rows 1 and 2 hold the budget
     assert (
         pad.size
         and (pad == -1).all()

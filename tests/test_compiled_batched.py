@@ -28,7 +28,7 @@ def digest(cache) -> str:
     if isinstance(cache, Bf16FirstBatch):
         return digest(cache.target) + ("" if cache.bf16 is None else digest(cache.bf16))
     h = hashlib.sha1()
-    arrays = [*(cache.keys or ()), *(cache.values or ())] if hasattr(cache, "cols") else cache.cache
+    arrays = [*(cache.key_arrays or ()), *(cache.value_arrays or ())] if hasattr(cache, "cols") else cache.cache
     for a in arrays:
         if a is not None:
             h.update(str((a.shape, a.dtype)).encode())

@@ -59,7 +59,10 @@ class _Plan:
 class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
     """Rows of one serial attention kind; ``offset`` is the per-row position array.
 
-    ``row_state`` holds per-row extras of a format (arrays indexed by row on axis 0).
+    ``key_arrays``/``value_arrays`` are the storage's tuples of ``[B, H, capacity, X]``
+    arrays (None before anything is stored); ``keys``/``values`` show them as mlx-lm shows
+    its caches' (the storage's ``shown``). ``row_state`` holds per-row extras of a format
+    (arrays indexed by row on axis 0).
     """
 
     step = 256  # slack columns allocated whenever the buffer is (re)packed
@@ -67,7 +70,7 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
 
     def __init__(self, fmt, keys, values, cols: Columns, offsets, min_reuse, masks=None, row_state=None, dtype=None):
         self.fmt = fmt
-        self.keys, self.values = keys, values  # tuples of [B, H, cap, X] arrays, or None
+        self.key_arrays, self.value_arrays = keys, values  # tuples of [B, H, cap, X] arrays, or None
         self.cols = cols
         self._init_rows(offsets, min_reuse)
         self.row_state = dict(row_state or {})
@@ -83,7 +86,33 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys[0].shape[2]
+        return 0 if self.key_arrays is None else self.key_arrays[0].shape[2]
+
+    # mlx-lm's view of the stored arrays: one [B, H, capacity, D] array for plain, ring and
+    # eviction rows (its BatchKVCache's ``keys``), the affine triple for affine rows (its
+    # QuantizedKVCache's); assigning one replaces it (its pipeline-parallel models do)
+    @property
+    def keys(self):
+        return None if self.key_arrays is None else self.fmt.storage.shown(self.key_arrays)
+
+    @keys.setter
+    def keys(self, shown):
+        self.key_arrays = self.fmt.storage.replaced(self.key_arrays, shown)
+
+    @property
+    def values(self):
+        return None if self.value_arrays is None else self.fmt.storage.shown(self.value_arrays)
+
+    @values.setter
+    def values(self, shown):
+        self.value_arrays = self.fmt.storage.replaced(self.value_arrays, shown)
+
+    def keys_and_values(self):
+        """``keys`` and ``values`` cut to the columns rows use (mlx-lm's ``keys_and_values``)."""
+        if self.key_arrays is None:
+            return None, None
+        cut = lambda t: self.fmt.storage.shown(tuple(a[..., : self.cols.idx, :] for a in t))
+        return cut(self.key_arrays), cut(self.value_arrays)
 
     # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown by affine rows only
     @property
@@ -164,16 +193,16 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         rows = np.arange(self.batch_size)
         src, valid = source_columns(cols, rows, width, counts, end)
         st = self.fmt.storage
-        keys = gather_columns(self.keys, rows, src, valid, st.key_fills)
-        values = gather_columns(self.values, rows, src, valid, st.value_fills)
+        keys = gather_columns(self.key_arrays, rows, src, valid, st.key_fills)
+        values = gather_columns(self.value_arrays, rows, src, valid, st.value_fills)
         return keys, values
 
     def _repack(self, cols: Columns, end: int, width: int, counts=None):
-        self.keys, self.values = self._repacked(cols, end, width, counts)
+        self.key_arrays, self.value_arrays = self._repacked(cols, end, width, counts)
 
     def _keep_first(self, counts: np.ndarray):
         """Keep each row's first ``counts`` stored positions (drop its tail), repacked."""
-        if self.keys is not None:
+        if self.key_arrays is not None:
             end = int(counts.max(initial=0))
             self._repack(self.cols, end, max(self.capacity, end), counts)
         self.cols = packed_columns(counts)
@@ -187,15 +216,15 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         st = self.fmt.storage
         if p.pack is not None:
             src_cols, cap = p.pack
-            if self.keys is None:
+            if self.key_arrays is None:
                 full = lambda t, fills: tuple(
                     mx.full((a.shape[0], a.shape[1], cap, *a.shape[3:]), f, a.dtype) for a, f in zip(t, fills)
                 )
-                self.keys, self.values = full(k_new, st.key_fills), full(v_new, st.value_fills)
+                self.key_arrays, self.value_arrays = full(k_new, st.key_fills), full(v_new, st.value_fills)
             else:
                 self._repack(src_cols, p.cols.idx - N, cap)
         at = p.cols.idx - N
-        for store, new in ((self.keys, k_new), (self.values, v_new)):
+        for store, new in ((self.key_arrays, k_new), (self.value_arrays, v_new)):
             for a, n in zip(store, new):
                 a[..., at : at + N, :] = n
         self.cols = p.cols
@@ -211,27 +240,27 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         storage fetches them (affine triples: mlx-lm's quantized SDPA)."""
         st = self.fmt.storage
         cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
-        return st.fetch_keys(cut(self.keys), dtype), st.fetch_values(cut(self.values), dtype)
+        return st.fetch_keys(cut(self.key_arrays), dtype), st.fetch_values(cut(self.value_arrays), dtype)
 
     # -- contract -----------------------------------------------------------------------
     @property
     def state(self):
-        return self.keys, self.values, self.offset
+        return self.key_arrays, self.value_arrays, self.offset
 
     def size(self) -> int:
         return int(self.cols.counts.max(initial=0))
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.key_arrays is None
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.key_arrays is None:
             return 0
-        return sum(a.nbytes for a in self.keys + self.values)
+        return sum(a.nbytes for a in self.key_arrays + self.value_arrays)
 
     def bytes_per_token(self) -> int:
-        return 0 if self.keys is None else row_bytes(*self.keys, *self.values)
+        return 0 if self.key_arrays is None else row_bytes(*self.key_arrays, *self.value_arrays)
 
     def projected_bytes(self, rows=(), tokens: int = 0) -> int:
         """Bytes this batch will hold once rows holding ``rows`` positions each have joined
@@ -250,9 +279,9 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
 
     def _column_bytes(self) -> int | None:
         """Bytes of one column of one row in the batch's storage (None before any append)."""
-        if self.keys is None:
+        if self.key_arrays is None:
             return None
-        return row_bytes(*self.keys, *self.values)
+        return row_bytes(*self.key_arrays, *self.value_arrays)
 
     def is_trimmable(self) -> bool:
         """Plain, affine and TurboQuant rows always; ring rows while no row has wrapped."""
@@ -304,12 +333,12 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
     def dense_window(self):
         """All rows' stored columns ``[cols.lo, cols.idx)``, decoded, padding included
         (``stored_mask`` says which)."""
-        if self.keys is None or not self.cols.counts.any():
+        if self.key_arrays is None or not self.cols.counts.any():
             return None
         lo, idx, st = self.cols.lo, self.cols.idx, self.fmt.storage
         cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
         dtype = self.dtype or mx.bfloat16
-        return st.decode_keys(cut(self.keys), dtype), st.decode_values(cut(self.values), dtype)
+        return st.decode_keys(cut(self.key_arrays), dtype), st.decode_values(cut(self.value_arrays), dtype)
 
     def read_block(self, keys: mx.array, values: mx.array) -> AttentionRead:
         """Attend each row's stored positions plus the block; padding and gaps stay hidden."""
@@ -323,10 +352,11 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
                 f"({getattr(other, 'fmt', None)}) into a {self.kind} batch ({self.fmt}): "
                 "rows of one batched cache share one kind and one geometry"
             )
+        mine, theirs = self.key_arrays, other.key_arrays
         if (
-            other.keys is not None
-            and self.keys is not None
-            and (self.keys[0].shape[1] != other.keys[0].shape[1] or self.keys[0].dtype != other.keys[0].dtype)
+            mine is not None
+            and theirs is not None
+            and (mine[0].shape[1] != theirs[0].shape[1] or mine[0].dtype != theirs[0].dtype)
         ):
             raise CacheConfigError(f"{self.kind}: rows with other head geometry or dtype cannot be joined")
         if self._remaining is not None or other._remaining is not None:
@@ -338,7 +368,7 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         T = max(self.cols.idx, other.cols.idx)
         slack = max(c.capacity - c.cols.idx for c in (self, other))  # the next appends write in place
         st = self.fmt.storage
-        like = self if self.keys is not None else other
+        like = self if self.key_arrays is not None else other
 
         def widened(c, t, like_t, fills):
             """``c``'s arrays ``t`` left-padded to T columns plus the slack (all padding when it
@@ -355,14 +385,14 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         sides = []
         for c in (self, other):
             cols = c.cols.shifted(T - c.cols.idx)
-            if like.keys is None:
+            if like.key_arrays is None:
                 sides.append((None, None, cols))
             else:
-                keys = widened(c, c.keys, like.keys, st.key_fills)
-                sides.append((keys, widened(c, c.values, like.values, st.value_fills), cols))
-        if like.keys is not None:
-            self.keys = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
-            self.values = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))
+                keys = widened(c, c.key_arrays, like.key_arrays, st.key_fills)
+                sides.append((keys, widened(c, c.value_arrays, like.value_arrays, st.value_fills), cols))
+        if like.key_arrays is not None:
+            self.key_arrays = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][0], sides[1][0]))
+            self.value_arrays = tuple(mx.concatenate(p, axis=0) for p in zip(sides[0][1], sides[1][1]))
         a, b = sides[0][2], sides[1][2]
         self.cols = Columns(np.concatenate([a.s, b.s]), np.concatenate([a.e, b.e]), np.concatenate([a.w, b.w]), T)
         self._set_offsets(np.concatenate([self.offsets, other.offsets]))
@@ -383,10 +413,10 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         keep = keep % max(self.batch_size, 1)
         cols = self.cols.take(keep)
         shift = cols.lo
-        if self.keys is not None:
+        if self.key_arrays is not None:
             rows = mx.array(keep.astype(np.int32))
-            self.keys = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.keys)
-            self.values = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.values)
+            self.key_arrays = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.key_arrays)
+            self.value_arrays = tuple(mx.take(a, rows, axis=0)[..., shift:, :] for a in self.value_arrays)
         self.cols = cols.shifted(-shift)
         self._set_offsets(self.offsets[keep])
         self.row_minimum_reusable_offsets = self.row_minimum_reusable_offsets[keep]
@@ -400,13 +430,13 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         i = check_row(i, self.batch_size)
         rows = np.array([i])
         count = int(self.cols.counts[i])
-        if self.keys is None or count == 0:
+        if self.key_arrays is None or count == 0:
             k = v = None
         else:
             st = self.fmt.storage
             src, valid = source_columns(self.cols, rows, count)
-            k = gather_columns(self.keys, rows, src, valid, st.key_fills)
-            v = gather_columns(self.values, rows, src, valid, st.value_fills)
+            k = gather_columns(self.key_arrays, rows, src, valid, st.key_fills)
+            v = gather_columns(self.value_arrays, rows, src, valid, st.value_fills)
         extras = {name: _take_rows(a, rows) for name, a in self.row_state.items()}
         row = self.fmt.restore(k, v, int(self.offsets[i]), count, self.dtype, extras)
         row.masks = self.masks

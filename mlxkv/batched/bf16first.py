@@ -137,9 +137,17 @@ class Bf16FirstBatch(MlxLmRowSurgery):
     def keys(self):
         return self.target.keys
 
+    @keys.setter
+    def keys(self, shown):
+        self.target.keys = shown
+
     @property
     def values(self):
         return self.target.values
+
+    @values.setter
+    def values(self, shown):
+        self.target.values = shown
 
     @property
     def dtype(self):
@@ -243,12 +251,12 @@ class Bf16FirstBatch(MlxLmRowSurgery):
 
     def _bf16_column_bytes(self) -> int | None:
         """Bytes of one plain column of one row (None before the geometry is known)."""
-        if self.bf16 is not None and self.bf16.keys is not None:
+        if self.bf16 is not None and self.bf16.key_arrays is not None:
             return self.bf16._column_bytes()
         t = self.target
-        if t.keys is None:
+        if t.key_arrays is None:
             return None
-        H, d = t.keys[0].shape[1], t.fmt.storage.head_dim(t.keys)
+        H, d = t.key_arrays[0].shape[1], t.fmt.storage.head_dim(t.key_arrays)
         return 2 * H * d * (t.dtype or mx.bfloat16).size
 
     def is_trimmable(self) -> bool:

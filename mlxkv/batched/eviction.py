@@ -82,7 +82,7 @@ class BatchedEvictionCache(BatchedKVCache):
         idx = self.cols.idx
         rows_mx = mx.array(rows.astype(np.int32))
         part = lambda a: mx.take(a, rows_mx, axis=0)[..., idx - R : idx, :]
-        return tuple(part(a) for a in self.keys), tuple(part(a) for a in self.values)
+        return tuple(part(a) for a in self.key_arrays), tuple(part(a) for a in self.value_arrays)
 
     def _after_append(self, N: int):
         evicting = self._evicting()
@@ -96,7 +96,7 @@ class BatchedEvictionCache(BatchedKVCache):
         idx, budget = self.cols.idx, self.fmt.budget
         rows_mx = mx.array(rows.astype(np.int32))
         lo = idx - budget
-        for a, kept in zip(self.keys + self.values, tuple(kept_keys) + tuple(kept_values)):
+        for a, kept in zip(self.key_arrays + self.value_arrays, tuple(kept_keys) + tuple(kept_values)):
             a[rows_mx, :, lo:idx, :] = kept
         s = self.cols.s.copy()
         s[rows] = lo

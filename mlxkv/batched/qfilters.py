@@ -76,7 +76,7 @@ class BatchedQFiltersCache(BatchedEvictionCache):
             st["frozen"] = st["frozen"] & ~thaw
             t = mx.array(thaw)
             st["filter"] = mx.where(t[:, None, None], 0.0, st["filter"])
-            self.keys = self.keys[:2] + (mx.where(t[:, None, None, None], 0.0, self.keys[2]),)
+            self.key_arrays = self.key_arrays[:2] + (mx.where(t[:, None, None, None], 0.0, self.key_arrays[2]),)
 
     def extend_rows(self, other):
         self._compatible(other)
@@ -109,12 +109,12 @@ class BatchedQFiltersCache(BatchedEvictionCache):
             return
         rows = np.nonzero(due)[0]
         rows_mx = mx.array(rows.astype(np.int32))
-        sel = mx.take(self.keys[0], rows_mx, axis=0)
+        sel = mx.take(self.key_arrays[0], rows_mx, axis=0)
         first = mx.array(self.cols.s[rows].astype(np.int32))[:, None] + mx.arange(fmt.calib_tokens)
         calib = mx.take_along_axis(sel, first[:, None, :, None], axis=2)
         filt = key_svd_filter(calib)
         scores = projection_scores(sel[..., : self.cols.idx, :], filt, fmt.sign)
-        full = self.keys[2]
+        full = self.key_arrays[2]
         full[rows_mx, :, : self.cols.idx, :] = scores[..., None]
         st["filter"][rows_mx] = filt
         st["frozen"] = st["frozen"] | due

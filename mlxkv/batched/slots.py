@@ -71,10 +71,10 @@ def batched_attention_slot(cache) -> DecodeSlot:
                 "positions; the batch decodes compiled once every row has converted",
             )
         cache = cache.target
-    if cache.keys is None or cache._remaining is not None:
+    if cache.key_arrays is None or cache._remaining is not None:
         return DecodeSlot(EagerLayout(Phase(kind, "eager")), (), None)
     p, where = _plan(cache)
-    keys, values = cache.keys, cache.values
+    keys, values = cache.key_arrays, cache.value_arrays
     if p.pack is not None:  # the buffer is full: the eager append's own repack
         src, grown = p.pack
         keys, values = cache._repacked(src, p.cols.idx - 1, grown)
@@ -86,7 +86,7 @@ def batched_attention_slot(cache) -> DecodeSlot:
     n = len(keys)  # (the commit holds no buffer: the step can write it in place)
 
     def commit(new, dtype):
-        cache.keys, cache.values = tuple(new[:n]), tuple(new[n:])
+        cache.key_arrays, cache.value_arrays = tuple(new[:n]), tuple(new[n:])
         cache.dtype = dtype
         cache.cols = cols
         cache._set_offsets(cache.offsets + 1)

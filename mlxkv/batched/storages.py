@@ -5,7 +5,10 @@ decodes them for block reads; their fill values pad rows.
 - ``fetch_keys``/``fetch_values``: the stored tuple -> what ``update_and_fetch`` returns (the
   arrays for plain rows, the affine triple so mlx-lm takes its quantized SDPA, decoded keys
   for TurboQuant);
-- ``decode_keys``/``decode_values``: the stored tuple -> dense arrays.
+- ``decode_keys``/``decode_values``: the stored tuple -> dense arrays;
+- ``shown``/``replaced``: the stored tuple as mlx-lm shows a cache's ``keys``/``values``
+  (one array, or a tuple where mlx-lm's own cache holds one), and the tuple with that
+  replaced.
 """
 
 from dataclasses import dataclass
@@ -16,8 +19,29 @@ from ..math import bitpack
 from ..math import turboquant as tq
 
 
+class ShowsFirstArray:
+    """Storages whose ``keys``/``values`` show the first stored array (the keys or values
+    themselves; positions and scores ride behind them)."""
+
+    def shown(self, t):
+        return t[0]
+
+    def replaced(self, t, shown):
+        return None if shown is None else (shown, *(t or ())[1:])
+
+
+class ShowsTuple:
+    """Storages whose ``keys``/``values`` show the whole stored tuple."""
+
+    def shown(self, t):
+        return t
+
+    def replaced(self, t, shown):
+        return None if shown is None else tuple(shown)
+
+
 @dataclass(frozen=True)
-class PlainStorage:
+class PlainStorage(ShowsFirstArray):
     affine = False
     key_fills = value_fills = (0,)
 
@@ -36,7 +60,7 @@ class PlainStorage:
 
 
 @dataclass(frozen=True)
-class AffineStorage:
+class AffineStorage(ShowsTuple):
     """mlx-lm's affine triples (packed, scales, biases), quantized per token."""
 
     bits: int
@@ -64,7 +88,7 @@ class AffineStorage:
 
 
 @dataclass(frozen=True)
-class TurboStorage:
+class TurboStorage(ShowsTuple):
     """TurboQuant's five arrays: keys (kIdx, kScales, kZeros), values (vPacked, vScales).
     mlx-lm attends the eager decode; all-zero padding codes decode to zeros."""
 
@@ -99,7 +123,7 @@ class TurboStorage:
 
 
 @dataclass(frozen=True)
-class EvictionStorage:
+class EvictionStorage(ShowsFirstArray):
     """Eviction rows: keys (keys, positions[..., None][, scores[..., None]]), values
     (values,). Padding positions are -1; mlx-lm attends the keys and values as stored."""
 
