@@ -92,6 +92,25 @@ def test_mlx_lm_prompt_cache_stores_and_serves_mlxkv_caches(models):
     assert rest == [] and exact[0] is not caches[0] and mx.array_equal(exact[0].keys[0], caches[0].keys[0])
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_mlx_lms_byte_accounting_measures_the_caches_of_queued_requests(models, scheme):
+    """With a byte cap mlx-lm's server sums ``nbytes`` over the caches of queued requests
+    (``BatchGenerator.prompt_cache_nbytes``) after every insertion, and its ``LRUPromptCache``
+    over what it stores: a fresh cache of every scheme holds 0 bytes (an empty affine cache
+    once raised AttributeError there, and every completion of `mlxkv serve --scheme kv4
+    --prompt-cache-bytes 1GB` got HTTP 500)."""
+    model = models("llama")
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+    gen.insert([prompt(9), prompt(13)], [4, 4], caches=[mlxkv.make_cache(model, scheme) for _ in range(2)])
+    assert gen.prompt_cache_nbytes == 0
+    lru = LRUPromptCache(max_size=4, max_bytes=1 << 20)
+    lru.insert_cache("m", [1, 2], mlxkv.make_cache(model, scheme))
+    assert lru.nbytes == 0
+    gen.next_generated()  # the prompts are prefilled: their caches hold bytes now
+    assert gen.prompt_cache_nbytes > 0
+    gen.close()
+
+
 def test_a_row_removed_mid_decode_comes_back_as_its_serial_caches(models):
     """``BatchGenerator.remove(uids, return_prompt_caches=True)`` and ``prompt_cache_nbytes``."""
     model = models("gemma3")

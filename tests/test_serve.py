@@ -197,6 +197,23 @@ def test_a_compiled_server_answers_as_mlx_lm_generate(model_dir, reference, sche
         thread.join(10)
 
 
+@pytest.mark.parametrize("scheme", ["kv4", "kv8-g32"])
+def test_a_byte_capped_prompt_cache_serves_affine_schemes(model_dir, reference, scheme):
+    """``--prompt-cache-bytes``: mlx-lm's server sums ``nbytes`` over the caches of queued
+    requests, empty ones included (every completion once got HTTP 500 on affine schemes)."""
+    args = options.parse(["--model", model_dir, "--scheme", scheme, "--port", "0", "--prompt-cache-bytes", "1GB"])
+    srv = start(args)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        (p,) = distinct_prompts(70, (12,))
+        status, data = request(srv.port, "/v1/completions", {"prompt": words(p), "max_tokens": 6})
+        assert status == 200 and data["choices"][0]["text"] == reference(p, 6, scheme)
+    finally:
+        srv.shutdown()
+        thread.join(10)
+
+
 def test_options_that_would_replace_the_caches_are_refused(model_dir, capsys):
     for flag, value, why in (
         ("--kv-bits", "4", "--scheme kv4"),

@@ -28,6 +28,12 @@ class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
         return self.masks.causal(N, self.offset, window_size, return_array)
 
+    @property
+    def nbytes(self) -> int:
+        """0 while empty (mlx-lm's own sums the triples it does not have yet, and its server
+        and batch engine sum ``nbytes`` over the caches of queued requests)."""
+        return 0 if self.keys is None else sum(a.nbytes for a in (*self.keys, *self.values))
+
     def bytes_per_token(self) -> int:
         return 0 if self.keys is None else row_bytes(*self.keys, *self.values)
 
