@@ -71,6 +71,52 @@ def test_make_cache_follows_the_models_layout(models):
     assert len({id(c.masks) for c in make_cache(models("hybrid"), "bf16")}) == 1
 
 
+def test_mlxkv_caches_are_instances_of_mlx_lms_classes():
+    """As mlx-lm's own code and user code test them (``isinstance``)."""
+    assert isinstance(mlxkv.KVCache(), mlx_cache.KVCache)
+    assert isinstance(mlxkv.QuantizedKVCache(bits=4), mlx_cache.QuantizedKVCache)
+    assert isinstance(mlxkv.ArraysCache(2), mlx_cache.ArraysCache)
+    assert isinstance(mlxkv.RotatingKVCache(16, keep=4), mlx_cache.RotatingKVCache)
+    assert isinstance(mlxkv.RotatingQuantizedKVCache(16, bits=8, group_size=32), mlx_cache.RotatingKVCache)
+
+
+@pytest.mark.parametrize("arch,scheme", [("gemma3", "bf16"), ("gemma3", "kv4"), ("hybrid", "turbo-k4v2-start16")])
+def test_make_cache_takes_a_model_whose_make_cache_is_mlxkvs(models, arch, scheme):
+    """A model whose own ``make_cache`` returns mlxkv caches (rings for gemma3's
+    sliding-window layers among them) gets the layout its mlx-lm caches would give."""
+
+    class Patched:  # mlx-lm's model with its make_cache replaced, as user code does
+        def __init__(self, model):
+            self.model, self.layers, self.args = model, model.layers, model.args
+            self.mlxkv_config = model.mlxkv_config
+
+        def make_cache(self):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return make_cache(self.model, scheme)
+
+    model = models(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = [(c.kind, getattr(c, "max_size", None)) for c in make_cache(model, "kv8-g32")]
+        got = [(c.kind, getattr(c, "max_size", None)) for c in make_cache(Patched(model), "kv8-g32")]
+    assert got == want
+
+
+def test_make_cache_names_the_class_it_has_no_cache_for():
+    class Chunked:
+        def __init__(self):
+            self.layers = [None]
+
+        def make_cache(self):
+            return [mlx_cache.ChunkedKVCache(64)]
+
+    with pytest.raises(
+        mlxkv.SchemeError, match=r"layer 0: the model's make_cache gives a mlx_lm\.models\.cache\.ChunkedKVCache"
+    ):
+        make_cache(Chunked(), "bf16")
+
+
 def test_mlx_lm_generate_and_stream_generate_run_unchanged(models):
     model, tok = models("gemma3"), tokenizer()
     for scheme in ("bf16", "kv4", "kv8-g32-start8"):

@@ -4,7 +4,8 @@
 One ring, written once, over a storage that is either one array (plain) or mlx-lm's affine
 triple (quantized). The ring arithmetic is mlx-lm's ``RotatingKVCache`` to the letter, so a
 plain ring gives mlx-lm's logits bit for bit, and ``keep`` leading positions are never
-overwritten.
+overwritten. Both rings are mlx-lm ``RotatingKVCache``s for ``isinstance`` (every method is
+this module's own), as mlxkv's ``KVCache`` is an mlx-lm ``KVCache``.
 """
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
-class _Ring(CacheContract, mlx_cache._BaseCache):
+class _Ring(CacheContract, mlx_cache.RotatingKVCache):
     step = 256
 
     def __init__(self, max_size: int, keep: int = 0):

@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import SchemeError
 from ..families import scheme_families
 from .arrays import ArraysCache
+from .base import CacheContract
 from .masks import ForwardMasks
 from .rotating import RotatingKVCache
 from .scheme import Scheme
@@ -107,11 +108,14 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
             c = RotatingKVCache(t.max_size, t.keep)
         elif isinstance(t, mlx_cache.ArraysCache):
             c = ArraysCache(len(t.cache))
-        elif isinstance(t, mlx_cache.KVCache):
+        elif isinstance(t, (mlx_cache.KVCache, mlx_cache.QuantizedKVCache, CacheContract)):
+            # a full-attention layer: mlx-lm's caches, or mlxkv's (a model whose make_cache is mlxkv's)
             c = parsed.build(i, layer_options) if max_kv_size is None else parsed.ring(max_kv_size, 4)
         else:
+            cls = type(t)
             raise SchemeError(
-                f"layer {i}: the model asks for an mlx-lm {type(t).__name__}, which has no mlxkv equivalent yet"
+                f"layer {i}: the model's make_cache gives a {cls.__module__}.{cls.__qualname__}, "
+                "for which mlxkv has no cache yet"
             )
         c.masks = masks
         caches.append(c)
