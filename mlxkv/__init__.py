@@ -42,7 +42,7 @@ from .errors import (
     UnknownKindError,
     UnsupportedKindError,
 )
-from .families import COUNT, FLAG, SIGN, Family, families, register_family, unregister_family
+from .families import COUNT, FLAG, SIGN, Family, Scheme, families, register_family, unregister_family
 from .formats.mlxlm import read_prompt_cache
 from .formats.snapshot import Snapshot
 from .formats.table import convert_prompt_cache, load, read_header, save, verify
@@ -118,6 +118,7 @@ __all__ = [
     "RowIndexError",
     "Sampler",
     "save",
+    "Scheme",
     "SchemeError",
     "Session",
     "SIGN",

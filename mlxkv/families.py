@@ -78,6 +78,20 @@ def batched_kind(kind: str) -> str:
     return BATCHED_PREFIX + kind.removeprefix("kv:")
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """A parsed cache scheme, what a family's ``scheme`` parser returns: how to build the
+    cache of one full-attention layer."""
+
+    name: str
+    build: Callable[[int, dict], object]  # (layer index, options) -> cache
+    quantizes: bool  # sliding-window layers stay bf16 under it (make_cache warns)
+    ring: Callable[[int, int], object] | None = None  # (max_size, keep) -> ring cache
+    #: what a generation's request key says of the scheme (docs/sessions.md): mlx-bun's fields
+    #: where mlx-bun builds the same caches, else None: ``{"kvScheme": name}``
+    policy: dict | None = None
+
+
 _FAMILIES: list[Family] = []
 
 

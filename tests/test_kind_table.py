@@ -13,10 +13,9 @@ from generation import greedy, run
 import mlxkv
 from mlxkv.batched.row_format import RowFormat
 from mlxkv.caches.decode_slot import DecodeSlot, Phase, WindowLayout
-from mlxkv.caches.scheme import Scheme
 from mlxkv.codecs.base import BunForm, Codec, expect_slots, same_prefix
 from mlxkv.errors import CorruptSnapshotError
-from mlxkv.families import COUNT, family_of_kind, family_of_persisted
+from mlxkv.families import COUNT, Scheme, family_of_kind, family_of_persisted
 from mlxkv.models.seeded import prompt
 
 # -- the toy family: keys and values stored as float16, attended in the input dtype ---------

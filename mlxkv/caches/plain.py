@@ -3,9 +3,9 @@
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from ..families import Scheme
 from .base import CacheContract, row_bytes
 from .rotating import RotatingKVCache
-from .scheme import Scheme
 
 
 class KVCache(CacheContract, mlx_cache.KVCache):

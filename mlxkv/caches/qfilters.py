@@ -21,11 +21,11 @@ import mlx.core as mx
 
 from ..checks import is_int
 from ..errors import CacheConfigError
+from ..families import Scheme
 from ..math.qfilters import freeze_due, key_svd_filter, projection_scores, qfilters_survivors, thaw_due
 from ..math.selection import gather_rows
 from .base import row_bytes
 from .eviction import EvictionKVCache, check_budget
-from .scheme import Scheme
 
 DEFAULT_CALIB_TOKENS = 128
 

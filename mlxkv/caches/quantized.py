@@ -7,10 +7,10 @@ quantized SDPA for it.
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from ..families import Scheme
 from ..math.affine import check_affine
 from .base import CacheContract, row_bytes
 from .rotating import RotatingQuantizedKVCache
-from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
 
 

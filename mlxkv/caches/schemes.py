@@ -12,12 +12,11 @@ import warnings
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import SchemeError
-from ..families import scheme_families
+from ..families import Scheme, scheme_families
 from .arrays import ArraysCache
 from .base import CacheContract
 from .masks import ForwardMasks
 from .rotating import RotatingKVCache
-from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
 
 

@@ -11,9 +11,9 @@ the budget are appended in one op, and only tokens that trigger an eviction ente
 import mlx.core as mx
 
 from ..errors import CacheConfigError
+from ..families import Scheme
 from ..math.tova import tova_evict
 from .eviction import EvictionKVCache, check_budget
-from .scheme import Scheme
 
 
 class TOVAKVCache(EvictionKVCache):

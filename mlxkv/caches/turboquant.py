@@ -31,12 +31,12 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheConfigError, MLXKVError
+from ..families import Scheme
 from ..math import turboquant as tq
 from ..math import turboquant_attention as tqa
 from .base import CacheContract, DtypeAttribute
 from .plain import KVCache
 from .reads import AttentionRead
-from .scheme import Scheme
 from .transition import Bf16FirstCache, PendingConversion
 
 
