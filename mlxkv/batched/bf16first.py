@@ -11,13 +11,13 @@ reached their start convert (``PendingConversion.due``, per row: the serial cach
 leaving ``bf16``; when none is left the batch is exactly its target.
 
 Each row attends with the arithmetic its serial twin uses. A converted row attends the
-target's read of the whole batch (mlx-lm's quantized SDPA over affine triples, the dense
-kernel over decoded TurboQuant codes); a row short of its start attends its bf16 positions
-through the dense kernel. When the target is attended by the dense kernel too, one window
-holds both (the unconverted rows' bf16 columns in place of their codes); when it is not, the
-read is a :class:`PrecisionSplit`, which mlx-lm's attention hands back to mlxkv
-(``caches.routed_reads``): the target's attention over every row, then the unconverted rows'
-own. Either way every row's logits are its serial twin's, bit for bit.
+target's read (mlx-lm's quantized SDPA over affine triples, the dense kernel over decoded
+TurboQuant codes); a row short of its start attends its bf16 positions through the dense
+kernel. When the target is attended by the dense kernel too, one window holds both (the
+unconverted rows' bf16 columns in place of their codes); when it is not, the read is a
+:class:`PrecisionSplit`, which mlx-lm's attention hands back to mlxkv
+(``caches.routed_reads``): the converted rows through the target's attention, the others
+through the dense kernel. Either way every row's logits are its serial twin's, bit for bit.
 
 Both batches hold linear rows (bf16-first targets have no ring or eviction form), so every
 row of either ends at its batch's last column and holds the same positions in both: the
@@ -44,39 +44,52 @@ def _i32(rows: np.ndarray) -> mx.array:
     return mx.array(rows.astype(np.int32))
 
 
-def _last_columns(mask, rows: mx.array, width: int):
-    """The mask of ``rows`` over the last ``width`` columns (a plain batch's window)."""
+def _mask_rows(mask, rows: mx.array, width: int | None = None):
+    """The mask of ``rows`` (over its last ``width`` columns: a plain batch's window)."""
     if mask is None or isinstance(mask, str):
         return mask
-    return mx.take(mask, rows, axis=0)[..., mask.shape[-1] - width :]
+    mask = mx.take(mask, rows, axis=0)
+    return mask if width is None else mask[..., mask.shape[-1] - width :]
 
 
 @dataclass(frozen=True, eq=False)
 class PrecisionSplit(RoutedRead):
-    """A mixed batch's read: mlx-lm's attention of ``target`` (routed on it: its quantized
-    SDPA) over ``keys``/``values`` for every row, then the dense kernel over the bf16
-    windows of ``bf16_rows``, which take that output instead."""
+    """A mixed batch's read, split by precision: the ``converted`` rows attend the target's
+    ``keys``/``values`` (every row's window; theirs taken) through mlx-lm's attention routed
+    on ``target`` (its quantized SDPA), the ``bf16_rows`` their bf16 windows through the
+    dense kernel; ``order`` puts the two outputs back in the batch's row order."""
 
     target: object
     keys: tuple
     values: tuple
+    converted: mx.array
     bf16_rows: mx.array
     bf16_keys: mx.array
     bf16_values: mx.array
+    order: mx.array
 
     def attend(self, queries, scale: float, mask):
-        # the bf16 rows first: mlx-lm's quantized SDPA scales ``queries`` in place
+        take = lambda x, rows: mx.take(x, rows, axis=0)
         own = scaled_dot_product_attention(
-            mx.take(queries, self.bf16_rows, axis=0),
+            take(queries, self.bf16_rows),
             self.bf16_keys,
             self.bf16_values,
             cache=None,
             scale=scale,
-            mask=_last_columns(mask, self.bf16_rows, self.bf16_keys.shape[2]),
+            mask=_mask_rows(mask, self.bf16_rows, self.bf16_keys.shape[2]),
         )
-        out = scaled_dot_product_attention(queries, self.keys, self.values, cache=self.target, scale=scale, mask=mask)
-        out[self.bf16_rows] = own.astype(out.dtype)
-        return out
+        if self.converted.size == 0:
+            return own
+        rows = self.converted
+        codes = scaled_dot_product_attention(
+            take(queries, rows),
+            tuple(take(a, rows) for a in self.keys),
+            tuple(take(a, rows) for a in self.values),
+            cache=self.target,
+            scale=scale,
+            mask=_mask_rows(mask, rows),
+        )
+        return take(mx.concatenate([codes, own.astype(codes.dtype)]), self.order)
 
 
 class Bf16FirstBatch(MlxLmRowSurgery):
@@ -190,10 +203,12 @@ class Bf16FirstBatch(MlxLmRowSurgery):
     def _read(self, k, v, sel, bk, bv):
         """What this append attends: one dense window when the target is attended densely,
         else the split."""
-        if hasattr(self.target, "bits"):
-            split = PrecisionSplit(self.target, k, v, sel, bk, bv)
-            return split, split
-        return _overlaid(k, sel, bk), _overlaid(v, sel, bv)
+        if not hasattr(self.target, "bits"):
+            return _overlaid(k, sel, bk), _overlaid(v, sel, bv)
+        converted = np.setdiff1d(np.arange(self.batch_size), self.bf16_rows)
+        order = np.argsort(np.concatenate([converted, self.bf16_rows]))
+        split = PrecisionSplit(self.target, k, v, _i32(converted), sel, bk, bv, _i32(order))
+        return split, split
 
     def _convert_due_rows(self):
         """Rows whose append reached their start convert: their target encoding is stored
