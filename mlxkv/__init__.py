@@ -20,7 +20,7 @@ from .caches.rows import (
     trim_rows,
 )
 from .caches.schemes import make_cache
-from .caches.slots import decode_phase
+from .caches.step_builders import decode_phase
 from .caches.tova import TOVAKVCache
 from .caches.transition import Bf16FirstCache
 from .caches.turboquant import TurboQuantKVCache

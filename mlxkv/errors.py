@@ -77,5 +77,5 @@ class StoreCapacityError(MLXKVError):
 
 
 class EagerDecodeWarning(UserWarning):
-    """A compiled decode step ran eagerly because a cache has no compiled-decode slot
-    (``CompiledDecoder(..., fallback="eager")``)."""
+    """A decode step ran eagerly because a cache cannot enter a compiled one (its kind has
+    no decode step builder, or refuses this step; ``CompiledDecoder(..., fallback="eager")``)."""

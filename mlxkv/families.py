@@ -3,7 +3,7 @@
 A family names its live ``kind`` (exact, or a prefix ending in ``:`` for parameterized kinds
 such as ``kv:quant:<bits>:<group>``), its codec (which declares the persisted kind written in
 headers, the header fields and tensor slots of an entry, and mlx-bun's form of it), its row
-layout, its compiled-decode slots and its scheme parser. Saving, loading, joining rows,
+layout, its compiled decode steps and its scheme parser. Saving, loading, joining rows,
 building caches from a scheme and compiled decode all look the family up here; nothing else
 routes on a kind.
 
@@ -36,10 +36,10 @@ class Family:
       ``prefix``, ``trimmable``, ``capacity``, ``geometry``;
     - ``rows``: ``rows(serial_cache) -> row format`` whose ``merge(rows)`` builds the batched
       layout; None when rows of this family cannot share a batch;
-    - ``decode_slot``: ``decode_slot(cache) -> DecodeSlot`` for one compiled decode step, or
-      None;
-    - ``batched_slot``: the same for a batch of this family's rows (its batched layout), or
-      None;
+    - ``decode_step``: ``decode_step(cache) -> DecodeStep``, the cache's part in one compiled
+      decode step (its trace key, its graph inputs, its commit), or None;
+    - ``batched_decode_step``: the same for a batch of this family's rows (its batched layout),
+      or None;
     - ``scheme``: ``(pattern, parse)`` where ``parse(match, options) -> Scheme`` builds the
       caches of a scheme string matching ``pattern``; None for families no scheme names
       (rings and recurrent state follow the model's own layers).
@@ -48,8 +48,8 @@ class Family:
     kind: str
     codec: object
     rows: Callable | None = None
-    decode_slot: Callable | None = None
-    batched_slot: Callable | None = None
+    decode_step: Callable | None = None
+    batched_decode_step: Callable | None = None
     scheme: tuple[str, Callable] | None = None
 
     @property
@@ -155,12 +155,12 @@ def family_of_batched_kind(kind: str) -> Family:
     raise _unknown(kind, "batched rows: not a batched layout mlxkv knows")
 
 
-def slot_builder(kind: str) -> Callable | None:
-    """The compiled-decode slot builder of a live ``kind``: its family's ``decode_slot``, or
-    for a batched layout (``kv:batched-...``) its family's ``batched_slot``."""
+def step_builder(kind: str) -> Callable | None:
+    """The compiled decode step builder of a live ``kind``: its family's ``decode_step``, or
+    for a batched layout (``kv:batched-...``) its family's ``batched_decode_step``."""
     if isinstance(kind, str) and kind.startswith(BATCHED_PREFIX):
-        return family_of_batched_kind(kind).batched_slot
-    return family_of_kind(kind).decode_slot
+        return family_of_batched_kind(kind).batched_decode_step
+    return family_of_kind(kind).decode_step
 
 
 def scheme_families() -> list[Family]:

@@ -1,5 +1,5 @@
 """Compiled decode: every kind through the compiled step, bit-identical to the eager step,
-one trace per tuple of slot layouts; the driver inside mlx_lm.generate/stream_generate."""
+one trace per tuple of step layouts; the driver inside mlx_lm.generate/stream_generate."""
 
 import mlx.core as mx
 import mlx_lm
@@ -9,8 +9,8 @@ from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from mlxkv.caches.compiled import CompiledDecoder, compiled_model
-from mlxkv.caches.decode_slot import Phase
-from mlxkv.caches.slots import decode_phase, decode_slot
+from mlxkv.caches.decode_step import Phase
+from mlxkv.caches.step_builders import decode_phase, decode_step
 from mlxkv.models.seeded import SCHEMES, prompt, tokenizer
 
 STEPS = 64
@@ -159,15 +159,15 @@ def test_the_first_append_to_an_empty_cache_runs_eagerly(models):
     assert dec.eager_steps == 1 and dec.traces == 1
 
 
-def test_a_window_mask_on_a_linear_slot_is_mlx_lms():
+def test_a_window_mask_on_a_linear_step_is_mlx_lms():
     """A sliding window asked of a linear cache: mlx-lm's causal mask over the exact window,
     the padded rows hidden."""
     from mlx_lm.models.cache import create_attention_mask
 
     cache = mlxkv.KVCache()
     cache.update_and_fetch(*(mx.zeros((1, 2, 40, 8)),) * 2)
-    slot = decode_slot(cache)
-    sc = slot.layout.open(slot.arrays)
+    step = decode_step(cache)
+    sc = step.layout.open(step.arrays)
     mask = sc.make_mask(1, window_size=16)
     want = create_attention_mask(1, 40, False, 16)  # [1, 41]
     assert mask.shape == (256,) and not mask[41:].any().item()
@@ -177,7 +177,7 @@ def test_a_window_mask_on_a_linear_slot_is_mlx_lms():
         sc.make_mask(2)
 
 
-def test_a_cache_without_a_slot_is_loud(models):
+def test_a_cache_without_a_decode_step_is_loud(models):
     model = models("llama")
     native = [mlx_cache.KVCache() for _ in model.layers]  # mlx-lm's own: no kind
     model(mx.array(prompt(6))[None], cache=native)
@@ -234,12 +234,12 @@ def test_decode_phase_predicts_without_changing_the_cache(models):
     assert decode_phase(tova).rows == 17  # kept rows plus the new one, capped at budget + 1
 
 
-def test_slots_of_the_same_layout_and_phase_are_equal(models):
+def test_steps_of_the_same_layout_and_phase_are_equal(models):
     """What makes a trace: layouts compare equal across steps of one phase."""
     a, b = mlxkv.QuantizedKVCache(32, 4), mlxkv.QuantizedKVCache(32, 4)
     for c, n in ((a, 10), (b, 200)):
         c.update_and_fetch(*(mx.zeros((1, 2, n, 64), mx.bfloat16),) * 2)
-    assert decode_slot(a).layout == decode_slot(b).layout
+    assert decode_step(a).layout == decode_step(b).layout
     c = mlxkv.QuantizedKVCache(32, 8)
     c.update_and_fetch(*(mx.zeros((1, 2, 10, 64), mx.bfloat16),) * 2)
-    assert decode_slot(c).layout != decode_slot(a).layout
+    assert decode_step(c).layout != decode_step(a).layout

@@ -1,7 +1,7 @@
 """Compiled decode on the serving path: mlx-lm's ``BatchGenerator`` over
 ``mlxkv.compiled_model(model)`` decodes mlxkv's batched layouts through the compiled step,
 bit-identical to ``BatchGenerator(model)`` (logits, tokens and the stored bytes after every
-step), with one trace per layout tuple and batch size; the layouts without a slot are loud."""
+step), with one trace per layout tuple and batch size; the layouts without a decode step are loud."""
 
 import hashlib
 import warnings
@@ -15,7 +15,7 @@ from mlx_lm.generate import BatchGenerator
 import mlxkv
 from mlxkv.batched.bf16first import Bf16FirstBatch
 from mlxkv.caches.compiled import CompiledDecoder, compiled_model
-from mlxkv.caches.slots import decode_phase
+from mlxkv.caches.step_builders import decode_phase
 from mlxkv.models.seeded import ARCHITECTURES, prompt
 
 SCHEMES = ["bf16", "kv4", "kv8-g32", "turbo-k8v3"]
@@ -51,7 +51,7 @@ class Recorder:
         if inputs.shape[1] == 1:
             self.digests.append([digest(c) for c in cache])
             decoder = getattr(self.fn, "decoder", None)
-            phases = () if decoder is None else decoder.last_phases  # () when a kind had no slot
+            phases = () if decoder is None else decoder.last_phases  # () when a kind had no decode step
             if phases and "eager" not in {p.name for p in phases}:
                 # the step's (after its repack)
                 capacities = tuple(getattr(getattr(c, "target", c), "capacity", 0) for c in cache)
@@ -103,7 +103,7 @@ def test_batch_generator_decodes_compiled_bit_identical_to_eager(models, tmp_pat
 
 
 def test_repacks_and_ring_wraps_happen_outside_the_graph(models, tmp_path):
-    """Long rows: the global layers' buffer fills (the slot repacks as the eager append does)
+    """Long rows: the global layers' buffer fills (the step repacks as the eager append does)
     and the sliding layers' rings wrap and repack; still bit-identical, one trace per capacity."""
     model = models("gemma3")
     lens, max_tokens = (240, 7, 30), (40, 250, 20)

@@ -12,7 +12,7 @@ from generation import greedy, run
 
 import mlxkv
 from mlxkv.batched.row_format import RowFormat
-from mlxkv.caches.decode_slot import DecodeSlot, Phase, WindowLayout
+from mlxkv.caches.decode_step import DecodeStep, Phase, WindowLayout
 from mlxkv.codecs.base import BunForm, Codec, expect_slots, same_prefix
 from mlxkv.errors import CorruptSnapshotError
 from mlxkv.families import COUNT, Scheme, family_of_kind, family_of_persisted
@@ -105,9 +105,9 @@ class HalfStore:
         return put(keys[0], k), put(values[0], v)
 
 
-def half_decode_slot(cache):
+def half_decode_step(cache):
     """A window over the buffer (grown outside the graph if full), committed by the cache's
-    own append: the slot API a family implements."""
+    own append: the decode step API a family implements."""
     n = cache.offset
     rows = -(-(n + 1) // 256) * 256
     fit = lambda a: (
@@ -115,14 +115,14 @@ def half_decode_slot(cache):
     )
     layout = WindowLayout(Phase(cache.kind, "window", rows), HalfStore())
     arrays = (mx.array(n, mx.int32), mx.array([n], mx.int32), fit(cache.keys), fit(cache.values))
-    return DecodeSlot(layout, arrays, lambda new, effects: cache.update_and_fetch(new[0], new[1]))
+    return DecodeStep(layout, arrays, lambda new, effects: cache.update_and_fetch(new[0], new[1]))
 
 
 TOY = mlxkv.Family(
     kind=HalfKVCache.kind,
     codec=HalfCodec(),
     rows=lambda row: HalfRows(),
-    decode_slot=half_decode_slot,
+    decode_step=half_decode_step,
     scheme=(r"toy-half", lambda m, options: Scheme(m.string, lambda i, o: HalfKVCache(), True)),
 )
 
@@ -195,7 +195,7 @@ def test_a_family_declared_in_one_record_saves_loads_joins_and_decodes(toy, mode
     back = mlxkv.extract_model_row(batch, 1)
     assert isinstance(back[0], HalfKVCache) and back[0].offset == len(prompts[1]) + 6
 
-    # compiled decode through the family's slot equals the eager step
+    # compiled decode through the family's decode step equals the eager step
     eager, comp = back, mlxkv.extract_model_row(batch, 1)
     dec = mlxkv.CompiledDecoder(model)
     y = mx.array([[refs[1][1][-1]]])

@@ -161,7 +161,7 @@ def test_a_failure_in_the_generation_thread_is_an_http_error_not_a_dead_server(s
 @pytest.mark.parametrize("scheme", [SCHEME, "tova-b32-s4", "kv4-start16"])
 def test_a_compiled_server_answers_as_mlx_lm_generate(model_dir, reference, scheme):
     """``--compiled``: the batch decodes through mlxkv's compiled step (traced per layout and
-    batch size, not per step); batches without a slot (eviction rows, rows before their
+    batch size, not per step); batches without a decode step (eviction rows, rows before their
     bf16-first start) run eagerly. The answers are ``mlx_lm.generate``'s."""
     args = options.parse(["--model", model_dir, "--scheme", scheme, "--port", "0", "--compiled"])
     srv = start(args)

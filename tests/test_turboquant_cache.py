@@ -1,4 +1,4 @@
-"""TurboQuantKVCache: storage, reads (eager and deferred), conversion, compiled-decode slot."""
+"""TurboQuantKVCache: storage, reads (eager and deferred), conversion, compiled decode step."""
 
 import warnings
 
@@ -317,11 +317,11 @@ def test_bf16_first_turbo_with_start_sets_the_minimum_reusable_offset(models):
     assert caches[0].minimum_reusable_offset == 18 and caches[0].offset == 18
 
 
-# -- compiled decode: the TurboQuant slot -------------------------------------------------
+# -- compiled decode: the TurboQuant step -------------------------------------------------
 
 
 def test_stacked_boundary_counting_gives_the_same_codes():
-    """The compiled slot counts boundaries with one stacked comparison (a small kernel for
+    """The compiled step counts boundaries with one stacked comparison (a small kernel for
     the CPU backend's compiler); the codes equal the accumulated form, NaN and inf included."""
     odd = mx.array([[[float("nan")] * 32 + [float("inf")] * 32 + [-float("inf")] * 32 + [0.0] * 32]])
     y = mx.concatenate([mx.random.normal((1, 6, 128), key=mx.random.key(4)) * 3, odd.astype(mx.float32)], axis=1)
@@ -331,11 +331,11 @@ def test_stacked_boundary_counting_gives_the_same_codes():
 
 
 @pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5), (5, 8)])
-def test_compiled_slot_window_is_the_eager_window_bit_for_bit(kb, vb):
-    """The slot decodes the codes in the graph and writes the new position decoded from its
+def test_compiled_step_window_is_the_eager_window_bit_for_bit(kb, vb):
+    """The step decodes the codes in the graph and writes the new position decoded from its
     own codes at a traced row: the attended window equals the eager read's, so attention
     over it (padded rows masked) equals attention over the eager window."""
-    from mlxkv.caches.slots import decode_slot
+    from mlxkv.caches.step_builders import decode_step
 
     a, b = TurboQuantKVCache(kb, vb), TurboQuantKVCache(kb, vb, deferred=False)  # b: the eager read
     for c in (a, b):
@@ -344,17 +344,17 @@ def test_compiled_slot_window_is_the_eager_window_bit_for_bit(kb, vb):
     for step in range(3):
         k1, v1 = kv(1, d=128, seed=50 + step, dtype=mx.bfloat16)
         q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(step)).astype(mx.bfloat16)
-        slot = decode_slot(a)
-        assert slot.phase.rows == 256 and slot.phase.kind == a.kind
+        step = decode_step(a)
+        assert step.phase.rows == 256 and step.phase.kind == a.kind
 
-        def fn(q, k1, v1, arrays, layout=slot.layout):
+        def fn(q, k1, v1, arrays, layout=step.layout):
             sc = layout.open(arrays)
             k, v = sc.update_and_fetch(k1, v1)
             mask = sc.make_mask(1)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5, mask=mask), sc.outputs()
 
-        out, new = mx.compile(fn)(q, k1, v1, slot.arrays)
-        slot.commit(new, None)
+        out, new = mx.compile(fn)(q, k1, v1, step.arrays)
+        step.commit(new, None)
         read = b.append_decode(k1, v1)
         assert mx.array_equal(out, read.attend(q, 128**-0.5))
         assert a.offset == b.offset and stored_equal(a.state, b.state)

@@ -129,13 +129,13 @@ def arrays_rows(row) -> ArraysRows:
 
 def merge_arrays_rows(rows) -> BatchedArraysCache:
     arrays = []
-    for slot in zip(*(r.cache for r in rows)):
-        ref = next((a for a in slot if a is not None), None)
+    for entry in zip(*(r.cache for r in rows)):
+        ref = next((a for a in entry if a is not None), None)
         if ref is None:
             arrays.append(None)
             continue
         zero = mx.zeros((1, *ref.shape[1:]), ref.dtype)
-        arrays.append(mx.concatenate([zero if a is None else a for a in slot], axis=0))
+        arrays.append(mx.concatenate([zero if a is None else a for a in entry], axis=0))
     offsets = [int(r.offset) for r in rows]
     min_reuse = [int(getattr(r, "minimum_reusable_offset", 0)) for r in rows]
     return BatchedArraysCache(arrays, offsets, min_reuse, rows[0].masks)

@@ -1,12 +1,12 @@
-"""Compiled-decode slots of the batched layouts (mlx-lm's ``BatchGenerator`` decodes over them).
+"""Compiled decode steps of the batched layouts (mlx-lm's ``BatchGenerator`` decodes over them).
 
-``batched_attention_slot`` serves ``BatchedKVCache`` rows of plain, affine, ring, affine
+``batched_attention_step`` serves ``BatchedKVCache`` rows of plain, affine, ring, affine
 ring and TurboQuant storage. The batch's whole buffer ``[B, H, capacity, X]`` enters the
 graph and is written at a traced column (the batch adopts it: written in place); the step
 attends its first columns up to the append's, rounded up to ``ATTEND_STEP``. The capacity
 changes only when the batch repacks (every 256 columns of growth, a row joining or
 leaving), so one trace serves up to 64 steps (a ring, once it has wrapped and holds its
-columns, every step until its next repack). Outside the graph the slot
+columns, every step until its next repack). Outside the graph the step
 takes the eager append's own plan (``BatchedKVCache._plan``): ring eviction (metadata), and
 when the buffer is full the same repack gather. Inside, the new position is encoded and
 written at a traced column, and the stand-in's mask is ``visibility_mask``'s rule
@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..caches.decode_slot import DecodeSlot, EagerLayout, Phase
+from ..caches.decode_step import DecodeStep, EagerLayout, Phase
 from ..errors import MLXKVError, UnknownKindError
 from .bf16first import Bf16FirstBatch
 from .columns import visible
@@ -49,7 +49,7 @@ def _plan(cache):
     """The eager append's plan for one position and the traced column inputs it gives (the
     write column, ``idx``, per-row ``s``, ``e``, ``w`` and query rank), built once per step
     for every layer of the batch that shares these integers (the batch's mask memo)."""
-    key = ("decode-slot", cache.fmt.max_size, cache.fmt.keep, cache.capacity, cache.cols.key())
+    key = ("decode-step", cache.fmt.max_size, cache.fmt.keep, cache.capacity, cache.cols.key())
 
     def build():
         p = cache._plan(1)
@@ -59,8 +59,8 @@ def _plan(cache):
     return cache.masks.get(key, build)
 
 
-def batched_attention_slot(cache) -> DecodeSlot:
-    """The slot of a ``BatchedKVCache`` of plain, affine, ring or TurboQuant rows (a
+def batched_attention_step(cache) -> DecodeStep:
+    """The decode step of a ``BatchedKVCache`` of plain, affine, ring or TurboQuant rows (a
     bf16-first batch's once every row has converted: its target's)."""
     kind = cache.kind
     if isinstance(cache, Bf16FirstBatch):
@@ -72,7 +72,7 @@ def batched_attention_slot(cache) -> DecodeSlot:
             )
         cache = cache.target
     if cache.key_arrays is None or cache._remaining is not None:
-        return DecodeSlot(EagerLayout(Phase(kind, "eager")), (), None)
+        return DecodeStep(EagerLayout(Phase(kind, "eager")), (), None)
     p, where = _plan(cache)
     keys, values = cache.key_arrays, cache.value_arrays
     if p.pack is not None:  # the buffer is full: the eager append's own repack
@@ -92,14 +92,14 @@ def batched_attention_slot(cache) -> DecodeSlot:
         cache._set_offsets(cache.offsets + 1)
         cache._after_append(1)
 
-    return DecodeSlot(layout, arrays, commit)
+    return DecodeStep(layout, arrays, commit)
 
 
-def eviction_batch_slot(cache) -> DecodeSlot:
+def eviction_batch_step(cache) -> DecodeStep:
     raise UnknownKindError(
         cache.kind,
         "batched eviction rows run their policy per row after every append (data-dependent, rows "
-        "rewritten); no compiled-decode slot",
+        "rewritten); no compiled decode step",
     )
 
 
@@ -113,10 +113,10 @@ class BatchedWindowLayout:
     def open(self, arrays):
         offset, at, idx, s, e, w, q, *stored = arrays
         n = len(self.storage.key_fills)
-        return BatchedSlotCache(self, offset, at, idx, (s, e, w, q), tuple(stored[:n]), tuple(stored[n:]))
+        return BatchedStepCache(self, offset, at, idx, (s, e, w, q), tuple(stored[:n]), tuple(stored[n:]))
 
 
-class BatchedSlotCache:
+class BatchedStepCache:
     """One layer's batch inside the trace: ``offset`` is the traced per-row positions [B]
     (RoPE), ``update_and_fetch`` writes the new column at a traced index and returns the
     whole buffer (decoded as the batch's storage fetches it), ``make_mask`` hides every

@@ -13,16 +13,16 @@ class DtypeAttribute:
     engine). Reads give the ``mx.Dtype`` back (or None)."""
 
     def __set_name__(self, owner, name):
-        self.slot = f"_{name}_name"
+        self.stored_as = f"_{name}_name"
 
     def __get__(self, obj, owner=None):
         if obj is None:
             return self
-        name = obj.__dict__.get(self.slot)
+        name = obj.__dict__.get(self.stored_as)
         return None if name is None else getattr(mx, name)
 
     def __set__(self, obj, value):
-        obj.__dict__[self.slot] = None if value is None else str(value).rsplit(".", 1)[-1]
+        obj.__dict__[self.stored_as] = None if value is None else str(value).rsplit(".", 1)[-1]
 
 
 class CacheContract(NamedReads):

@@ -1,10 +1,11 @@
 """The compiled decode driver: one decode step of a whole mlx-lm model under ``mx.compile``.
 
 ``CompiledDecoder(model)(tokens, caches)`` is ``model(tokens, cache=caches)`` for one new
-position per row: every cache enters as its slot (``mlxkv.caches.slots``), the model runs
-traced over stand-in caches, and each slot's commit writes the new position into the real
-cache after the step. The traced function is compiled once per tuple of slot layouts (the
-kinds, constants and phases of all layers); array shapes are fixed within a phase, so a
+position per row: every cache enters as its ``DecodeStep`` (its part in the step, built by its
+family: ``mlxkv.caches.step_builders``), the model runs traced over stand-in caches, and each
+step's commit writes the new position into the real cache after the step. The traced
+function is compiled once per tuple of step layouts (the kinds, constants and phases of all
+layers); array shapes are fixed within a phase, so a
 trace serves every step of that phase. ``traces`` counts how often the model was traced.
 
 ``compiled_model(model)`` wraps a model so that ``mlx_lm.generate``/``stream_generate`` (and
@@ -12,11 +13,11 @@ anything else that calls ``model(tokens, cache=caches)``) decode through the com
 prompts (more than one position) run eagerly.
 
 mlx-lm's ``BatchGenerator`` given ``compiled_model(model)`` decodes mlxkv's batched layouts
-through it too (their slots: ``mlxkv.batched.slots``).
+through it too (their decode steps: ``mlxkv.batched.step_builders``).
 
 Steps that cannot be compiled: an empty cache's first append runs eagerly (it fixes the
 cache's geometry, like a prefill), as does a one-position step inside a batch's padded
-prefill. A cache whose kind has no slot (a cache without an mlxkv kind, a batch of eviction
+prefill. A cache whose kind has no decode step (a cache without an mlxkv kind, a batch of eviction
 rows, a bf16-first batch with rows not converted yet) raises
 :class:`~mlxkv.errors.UnknownKindError` naming the kind and why, and a model that
 cannot be traced raises :class:`~mlxkv.errors.MLXKVError`, before anything is written; with
@@ -29,8 +30,8 @@ from collections import OrderedDict
 import mlx.core as mx
 
 from ..errors import EagerDecodeWarning, MLXKVError, UnknownKindError
-from .decode_slot import EagerLayout
-from .slots import decode_slot
+from .decode_step import EagerLayout
+from .step_builders import decode_step
 
 FALLBACKS = ("raise", "eager")
 
@@ -65,17 +66,17 @@ class CompiledDecoder:
         """One decode step: ``tokens`` [B, 1] -> logits [B, 1, vocab]; the caches advance."""
         if tokens.ndim != 2 or tokens.shape[1] != 1:
             raise MLXKVError(f"a compiled decode step takes tokens [B, 1], got shape {list(tokens.shape)}")
-        slots = self._slots(caches)
-        self.last_phases = () if slots is None else tuple(s.phase for s in slots)
-        if slots is None or any(isinstance(s.layout, EagerLayout) for s in slots):
+        steps = self._steps(caches)
+        self.last_phases = () if steps is None else tuple(s.phase for s in steps)
+        if steps is None or any(isinstance(s.layout, EagerLayout) for s in steps):
             self.eager_steps += 1
             return self.model(tokens, cache=caches)
-        layouts = tuple(s.layout for s in slots)
+        layouts = tuple(s.layout for s in steps)
         trace = self._compiled.get(layouts) or self._compile(layouts)
         self._compiled.move_to_end(layouts)
         try:
             # one token dtype (a prompt's int32, a sampler's uint32): a dtype change would retrace
-            logits, new = trace.fn(tokens.astype(mx.int32), [s.arrays for s in slots])
+            logits, new = trace.fn(tokens.astype(mx.int32), [s.arrays for s in steps])
         except Exception as e:  # the trace failed; nothing was written to the caches
             del self._compiled[layouts]
             if self.fallback == "raise":
@@ -90,21 +91,21 @@ class CompiledDecoder:
             )
             self.eager_steps += 1
             return self.model(tokens, cache=caches)
-        for slot, n, effects in zip(slots, new, trace.effects):
-            slot.commit(n, effects)
+        for step, n, effects in zip(steps, new, trace.effects):
+            step.commit(n, effects)
         return logits
 
-    def _slots(self, caches):
+    def _steps(self, caches):
         try:
-            return [decode_slot(c) for c in caches]
+            return [decode_step(c) for c in caches]
         except UnknownKindError as e:
             if self.fallback == "raise":
                 raise UnknownKindError(
                     e.kind,
-                    f"{e.where or 'no compiled-decode slot'}; pass fallback='eager' to decode such steps eagerly",
+                    f"{e.where or 'no compiled decode step'}; pass fallback='eager' to decode such steps eagerly",
                 ) from e
             warnings.warn(
-                f"compiled decode: cache kind {e.kind!r} has no slot ({e.where}); this step runs eagerly",
+                f"compiled decode: cache kind {e.kind!r} cannot run compiled ({e.where}); this step runs eagerly",
                 EagerDecodeWarning,
                 stacklevel=3,
             )

@@ -1,8 +1,8 @@
 """Compiled decode: what one decode step needs from a cache, and the cache a traced model sees.
 
 ``mx.compile`` replays a traced graph whose array shapes are fixed, and a graph cannot hold a
-cache object. So a cache enters a compiled step as a :class:`DecodeSlot`, prepared outside
-the graph by its family (``mlxkv.caches.slots``):
+cache object. So a cache enters a compiled step as a :class:`DecodeStep`, prepared outside
+the graph by its family (``mlxkv.caches.step_builders``):
 
 - ``layout``: hashable; everything the traced code depends on besides the shapes and dtypes
   of the input arrays: the family's constants and the :class:`Phase`. Equal layouts share
@@ -13,9 +13,9 @@ the graph by its family (``mlxkv.caches.slots``):
   inputs, so the trace does not depend on them). Recurrent state hands in its arrays.
 - ``commit(new, effects)``: the write after the step. ``new`` is what the stand-in recorded:
   the step's new keys and values, then the window arrays with the new position written.
-  Plain, affine and ring slots hand in the cache's own buffer (grown outside the graph
+  Plain, affine and ring steps hand in the cache's own buffer (grown outside the graph
   exactly as the eager append grows it) and the cache adopts the written buffer: the graph
-  writes in place, no copy. Other attention slots (TurboQuant, eviction, a bf16-first cache
+  writes in place, no copy. Other attention steps (TurboQuant, eviction, a bf16-first cache
   before its conversion) append the new keys and values through the cache's own
   ``update_and_fetch``, so the stored bytes are the eager append's by construction.
   Recurrent state takes the arrays the step left in it.
@@ -50,7 +50,7 @@ class Phase:
 
 
 @dataclass
-class DecodeSlot:
+class DecodeStep:
     layout: Any  # hashable; ``layout.open(arrays)`` builds the stand-in inside the trace
     arrays: tuple  # the graph inputs
     commit: Callable  # (new, effects) -> None, after the step
@@ -110,7 +110,7 @@ class TurboStore:
 # -- the stand-in a traced model calls ------------------------------------------------------
 
 
-class SlotCache:
+class StepCache:
     """One layer's cache inside the trace (see the module docstring)."""
 
     def __init__(self, layout, offset, write_at, keys, values, roll=None):
@@ -167,7 +167,7 @@ class WindowLayout:
     def open(self, arrays):
         offset, write_at, *stored = arrays
         w = self.store.width
-        return SlotCache(self, offset, write_at, tuple(stored[:w]), tuple(stored[w:]))
+        return StepCache(self, offset, write_at, tuple(stored[:w]), tuple(stored[w:]))
 
     def mask(self, cache, window_size):
         valid = _rows_upto(cache.write_at, self.phase.rows)
@@ -194,7 +194,7 @@ class RingLayout:
     def open(self, arrays):
         offset, write_at, roll, *stored = arrays
         w = self.store.width
-        return SlotCache(self, offset, write_at, tuple(stored[:w]), tuple(stored[w:]), roll)
+        return StepCache(self, offset, write_at, tuple(stored[:w]), tuple(stored[w:]), roll)
 
     def mask(self, cache, window_size):
         rows = self.phase.rows
@@ -212,7 +212,7 @@ class RingLayout:
 # -- recurrent state ------------------------------------------------------------------------
 
 
-class RecurrentSlotCache:
+class RecurrentStepCache:
     """Recurrent state inside the trace: the model reads and replaces entries and advances
     it; what it leaves behind leaves the graph as arrays. ``left_padding`` (traced, or None)
     is what the model's mask reads; the commit's ``advance`` moves the real one."""
@@ -255,7 +255,7 @@ class RecurrentLayout:
         arrays = list(arrays)
         left_padding = arrays.pop() if self.padded else None
         it = iter(arrays)
-        return RecurrentSlotCache([next(it) if p else None for p in self.present], left_padding)
+        return RecurrentStepCache([next(it) if p else None for p in self.present], left_padding)
 
 
 @dataclass(frozen=True)

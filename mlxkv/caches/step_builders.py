@@ -1,4 +1,4 @@
-"""The compiled-decode slot of every family, ``decode_slot(cache)`` and ``decode_phase(cache)``.
+"""The compiled decode step of every family: ``decode_step(cache)`` and ``decode_phase(cache)``.
 
 Each builder reads a cache's integers and arrays and changes nothing; the commit, after the
 step, writes (docs/compiled.md). Which builder a cache gets is its family's
@@ -22,10 +22,10 @@ import copy
 import mlx.core as mx
 
 from ..errors import UnknownKindError
-from ..families import kind_of, slot_builder
-from .decode_slot import (
+from ..families import kind_of, step_builder
+from .decode_step import (
     AffineStore,
-    DecodeSlot,
+    DecodeStep,
     EagerLayout,
     Phase,
     PlainStore,
@@ -74,20 +74,20 @@ def _append_commit(cache):
     return lambda new, effects: cache.update_and_fetch(new[0], new[1])
 
 
-def _eager(cache) -> DecodeSlot:
-    return DecodeSlot(EagerLayout(Phase(kind_of(cache), "eager")), (), None)
+def _eager(cache) -> DecodeStep:
+    return DecodeStep(EagerLayout(Phase(kind_of(cache), "eager")), (), None)
 
 
-def _window_slot(cache, store, stored: list, rows: int, write_at: int, commit, gapped: bool = False) -> DecodeSlot:
+def _window_step(cache, store, stored: list, rows: int, write_at: int, commit, gapped: bool = False) -> DecodeStep:
     layout = WindowLayout(Phase(cache.kind, "window", rows), store, gapped)
     arrays = (*_positions(cache.offset, write_at), *(_fit(a, rows) for a in stored))
-    return DecodeSlot(layout, arrays, commit)
+    return DecodeStep(layout, arrays, commit)
 
 
 # -- one builder per family --------------------------------------------------------------
 
 
-def plain_decode_slot(cache) -> DecodeSlot:
+def plain_decode_step(cache) -> DecodeStep:
     """The buffer itself (grown as the append grows it) is the window; the cache adopts the
     written buffer."""
     if cache.keys is None:
@@ -99,11 +99,11 @@ def plain_decode_slot(cache) -> DecodeSlot:
         cache.keys, cache.values = new[2], new[3]
         cache.offset = n + 1
 
-    return _window_slot(cache, PlainStore(), [keys, values], keys.shape[2], n, commit)
+    return _window_step(cache, PlainStore(), [keys, values], keys.shape[2], n, commit)
 
 
-def affine_decode_slot(cache) -> DecodeSlot:
-    """As the plain slot, over mlx-lm's affine triples."""
+def affine_decode_step(cache) -> DecodeStep:
+    """As the plain step, over mlx-lm's affine triples."""
     if cache.keys is None:
         return _eager(cache)
     n = cache.offset
@@ -114,20 +114,20 @@ def affine_decode_slot(cache) -> DecodeSlot:
         cache.offset = n + 1
 
     store = AffineStore(cache.bits, cache.group_size)
-    return _window_slot(cache, store, stored, stored[0].shape[2], n, commit)
+    return _window_step(cache, store, stored, stored[0].shape[2], n, commit)
 
 
-def turbo_decode_slot(cache) -> DecodeSlot:
+def turbo_decode_step(cache) -> DecodeStep:
     """The codes decoded in the graph, padded to 256-row steps (the storage's own growth);
     the commit encodes and stores the new position through the cache's append."""
     if cache.storage is None:
         return _eager(cache)
     n = cache.offset
     store = TurboStore(cache.k_bits, cache.v_bits)
-    return _window_slot(cache, store, list(cache.storage), window_rows(n + 1), n, _append_commit(cache))
+    return _window_step(cache, store, list(cache.storage), window_rows(n + 1), n, _append_commit(cache))
 
 
-def eviction_decode_slot(cache) -> DecodeSlot:
+def eviction_decode_step(cache) -> DecodeStep:
     """Kept rows plus the new one; eviction happens in the commit (the cache's append)."""
     if cache.keys is None:
         return _eager(cache)
@@ -136,10 +136,10 @@ def eviction_decode_slot(cache) -> DecodeSlot:
     if kept <= cache.budget:  # (a Q-Filters cache may hold more until it calibrates)
         rows = min(rows, cache.budget + 1)
     stored = [cache.keys, cache.values]
-    return _window_slot(cache, PlainStore(), stored, rows, kept, _append_commit(cache), gapped=True)
+    return _window_step(cache, PlainStore(), stored, rows, kept, _append_commit(cache), gapped=True)
 
 
-def ring_decode_slot(cache) -> DecodeSlot:
+def ring_decode_step(cache) -> DecodeStep:
     """The ring's buffer as the append leaves it before writing (grown, trimmed, wrapped:
     ``_write_plan``); the ring adopts the written buffer."""
     if cache.keys is None:
@@ -160,10 +160,10 @@ def ring_decode_slot(cache) -> DecodeSlot:
         k, v = new[2 : 2 + w], new[2 + w : 2 + 2 * w]
         cache._written(tuple(k) if quantized else k[0], tuple(v) if quantized else v[0], idx, 1)
 
-    return DecodeSlot(layout, arrays, commit)
+    return DecodeStep(layout, arrays, commit)
 
 
-def recurrent_decode_slot(cache) -> DecodeSlot:
+def recurrent_decode_step(cache) -> DecodeStep:
     """The state arrays in and out (a serial ``ssm`` cache or its batch). Left padding enters
     as a traced array (the model's mask reads it; the commit's ``advance`` moves it); a
     padded prefill in progress (``lengths`` set) is a prefill step and runs eagerly."""
@@ -181,31 +181,31 @@ def recurrent_decode_slot(cache) -> DecodeSlot:
         cache.advance(advanced)
 
     state = tuple(a for a in cache.cache if a is not None)
-    return DecodeSlot(layout, (*state, cache.left_padding) if padded else state, commit)
+    return DecodeStep(layout, (*state, cache.left_padding) if padded else state, commit)
 
 
 # -- dispatch --------------------------------------------------------------------------------
 
 
-def _family_slot(cache) -> DecodeSlot:
+def _family_step(cache) -> DecodeStep:
     kind = kind_of(cache)
-    build = slot_builder(kind)
+    build = step_builder(kind)
     if build is None:
-        raise UnknownKindError(kind, "no compiled-decode slot for this kind")
+        raise UnknownKindError(kind, "no compiled decode step for this kind")
     return build(cache)
 
 
-def decode_slot(cache) -> DecodeSlot:
-    """The slot of one decode step for ``cache``. A bf16-first cache whose conversion is due
+def decode_step(cache) -> DecodeStep:
+    """``cache``'s part in one compiled decode step. A bf16-first cache whose conversion is due
     (a file written before conversions happened at the end of the append) converts first;
     its commit is its own append, so it converts whenever its own rule says."""
     if isinstance(cache, Bf16FirstCache):
         cache.settle()
-        slot = _family_slot(cache.inner)
-        if cache.pending is not None and slot.commit is not None:
-            slot.commit = _append_commit(cache)  # its append converts when its rule says
-        return slot
-    return _family_slot(cache)
+        step = _family_step(cache.inner)
+        if cache.pending is not None and step.commit is not None:
+            step.commit = _append_commit(cache)  # its append converts when its rule says
+        return step
+    return _family_step(cache)
 
 
 def decode_phase(cache) -> Phase:
@@ -215,4 +215,4 @@ def decode_phase(cache) -> Phase:
         p, inner = cache.pending, cache.inner
         due = not cache.converted and p.due(inner.offset)
         cache = p.apply(copy.deepcopy(inner)) if due else inner
-    return _family_slot(cache).phase
+    return _family_step(cache).phase

@@ -19,7 +19,7 @@ Reads:
   affine terms, values through the codebook in the rotated domain, no decoded window. It
   agrees with the eager read to a documented tolerance (docs/turboquant.md).
 
-Compiled decode (``mlxkv.caches.slots``): the five arrays enter the graph at a fixed row
+Compiled decode (``mlxkv.caches.step_builders``): the five arrays enter the graph at a fixed row
 count, the step decodes them and writes the new position decoded from its own codes at a
 traced row; decoding is per position, so the window equals the eager read's, bit for bit.
 

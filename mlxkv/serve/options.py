@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--compiled",
         action="store_true",
         help="decode through mlxkv's compiled step (docs/compiled.md); prompts, and batches without a "
-        "compiled slot (eviction rows, rows before their bf16-first start), run eagerly",
+        "compiled decode step (eviction rows, rows before their bf16-first start), run eagerly",
     )
     p.add_argument(
         "--max-context",

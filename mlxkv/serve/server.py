@@ -79,8 +79,8 @@ class SchemeModelProvider(mlx_server.ModelProvider):
 
     def __init__(self, cli_args, scheme: str, options: dict | None = None, on_load=None, compiled: bool = False):
         """``on_load(model, tokenizer)``: called after a model loads (a prompt store opens).
-        ``compiled``: the model decodes through ``mlxkv.compiled_model``; a step without a
-        compiled slot runs eagerly with an ``EagerDecodeWarning``."""
+        ``compiled``: the model decodes through ``mlxkv.compiled_model``; a step that a cache
+        cannot enter compiled runs eagerly with an ``EagerDecodeWarning``."""
         super().__init__(cli_args)
         self.scheme, self.options = scheme, dict(options or {})
         self.on_load = on_load
