@@ -1,9 +1,9 @@
 """``make_cache(model, scheme)``: one mlxkv cache per layer of an mlx-lm model.
 
-The model's own ``make_cache`` (when it has one) says what each layer needs: full-attention
-layers get the scheme's cache, sliding-window layers stay rotating-plain, recurrent layers
-stay arrays. A scheme string is parsed by the family (``mlxkv.families``) whose scheme
-pattern matches it.
+The model's own ``make_cache`` (when it has one; its caches mlx-lm's or mlxkv's) says what
+each layer needs: full-attention layers get the scheme's cache, sliding-window layers (rings)
+stay rotating-plain, recurrent layers stay arrays. A scheme string is parsed by the family
+(``mlxkv.families``) whose scheme pattern matches it.
 """
 
 import re
