@@ -32,7 +32,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 import mlxkv
 from benchmarks.common import summary, timed, write_result
 from mlxkv.models.seeded import build_model, prompt, tokenizer
-from mlxkv.state.store import StorePromptCache
+from mlxkv.store import StorePromptCache
 
 
 class Redis:

@@ -19,10 +19,8 @@ LAYERS = [
     ("kind records", ("mlxkv.kinds",)),
     ("file I/O", ("mlxkv.io",)),
     ("state", ("mlxkv.state",)),
-    ("file formats", ("mlxkv.formats",)),
-    ("sessions", ("mlxkv.session",)),
-    ("prompt store", ("mlxkv.state.store",)),
-    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv")),
+    ("store", ("mlxkv.store",)),
+    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.models.seeded", "mlxkv")),
 ]
 
 

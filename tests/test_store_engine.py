@@ -11,7 +11,7 @@ from store_helpers import build
 import mlxkv
 from mlxkv import PromptStore
 from mlxkv.models.seeded import prompt, tokenizer
-from mlxkv.state.store import StorePromptCache, generate, stream_generate
+from mlxkv.store import StorePromptCache, generate, stream_generate
 
 CAP = 64 << 20
 

@@ -15,8 +15,8 @@ from store_helpers import RedisServer, build, continuation, forward
 
 from mlxkv import PromptStore
 from mlxkv.models.seeded import prompt, tokenizer
-from mlxkv.state.store import stream_generate
-from mlxkv.state.store.keys import block_chain, entry_id, identity_seed
+from mlxkv.store import stream_generate
+from mlxkv.store.keys import block_chain, entry_id, identity_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 16

@@ -28,8 +28,8 @@ import threading
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..state.reuse import usable_prefix
-from ..state.store import PromptStore
-from ..state.store.adapter import StorePromptCache
+from ..store import PromptStore
+from ..store.adapter import StorePromptCache
 
 #: the RAM the store may hold when ``--prompt-cache-bytes`` is not given
 DEFAULT_STORE_BYTES = 1 << 30

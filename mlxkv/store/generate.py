@@ -13,9 +13,9 @@ from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
-from ...caches.schemes import make_cache
-from ...errors import StoreCapacityError
-from ..reuse import reuse_of
+from ..caches.schemes import make_cache
+from ..errors import StoreCapacityError
+from ..state.reuse import reuse_of
 
 
 def _tokens(tokenizer, prompt) -> list[int]:

@@ -22,8 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...errors import MLXKVError
-from ..identity import Identity
+from ..errors import MLXKVError
 
 SEED_TAG = b"mlxkv-store-1\n"
 ID_BYTES = 16

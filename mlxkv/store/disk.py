@@ -24,12 +24,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ...errors import FormatVersionError, MLXKVError, SnapshotError, UnknownKindError
-from ...formats.mlxkv import read, write
-from ...formats.table import read_header
-from ...io import temporaries
-from ..identity import Identity
-from ..reuse import prefix_for, probe
+from ..errors import FormatVersionError, MLXKVError, SnapshotError, UnknownKindError
+from ..io import temporaries
+from ..state.reuse import prefix_for, probe
+from ..state.snapshot import read, read_header, write
 from .entry import Entry
 from .index import PrefixIndex, best_prefix
 

@@ -7,7 +7,7 @@ the store's decision (it also knows what the write queue still holds).
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from ..reuse import prefix_for
+from ..state.reuse import prefix_for
 from .entry import Entry
 from .index import PrefixIndex, best_prefix
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ...errors import MLXKVError, SnapshotError, StoreCapacityError
-from ..checkpoint import read_checkpoint
-from ..identity import Identity, model_identity
-from ..reuse import common_prefix, covers
+from ..errors import MLXKVError, SnapshotError, StoreCapacityError
+from ..state.checkpoint import read_checkpoint
+from ..state.identity import model_identity, tokenizer_hash
+from ..state.reuse import common_prefix, covers
 from .disk import DiskTier, OpenReport
 from .entry import Entry, freeze
 from .keys import block_chain, entry_id, identity_seed
@@ -467,7 +467,7 @@ class PromptStore:
         namespace match, the checkpoint's prompt is as long as ``prompt_tokens``, and its
         tokens strictly extend them. ``resume``: ``Session.resume``'s sampler options, for a
         checkpoint that records no sampling state."""
-        from ...session import Session
+        from ..state.session import Session
 
         self._check_open()
         ns, prompt = self._check_ns(ns), self._tokens(prompt_tokens)

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ...formats.mlxkv import encode
-from ..identity import Identity
-from ..reuse import Reuse, lend, reuse_of
+from ..state.reuse import Reuse, lend, reuse_of
+from ..state.snapshot import encode
 
 
 @dataclass(eq=False)

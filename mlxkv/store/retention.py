@@ -13,7 +13,7 @@ Pinned entries and entries still being written are never offered (the store filt
 
 import itertools
 
-from ...errors import MLXKVError
+from ..errors import MLXKVError
 
 
 class LRU:

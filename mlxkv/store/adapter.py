@@ -16,7 +16,7 @@ from a :class:`PromptStore`:
 
 from collections.abc import Sequence
 
-from ...errors import MLXKVError
+from ..errors import MLXKVError
 
 
 class StorePromptCache:

@@ -23,11 +23,10 @@ import msgpack
 import numpy as np
 import redis
 
-from ...errors import MLXKVError, SnapshotError
-from ...formats.mlxkv_header import META_CRC_KEY, META_KEY, check_header
-from ...io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer, crc32, crc32_hex, dtype_name
-from ..identity import Identity
-from ..reuse import prefix_for, probe
+from ..errors import MLXKVError, SnapshotError
+from ..io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer, crc32, crc32_hex, dtype_name
+from ..state.reuse import prefix_for, probe
+from ..state.snapshot import META_CRC_KEY, META_KEY, parse_header
 from .entry import Entry
 from .keys import block_chain
 
