@@ -39,6 +39,7 @@ from .errors import (
     SnapshotError,
     SnapshotWriteError,
     StoreCapacityError,
+    StoreTrustError,
     UnknownKindError,
     UnsupportedKindError,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotWriteError",
     "StoreCapacityError",
+    "StoreTrustError",
     "TOVAKVCache",
     "trim_model_rows",
     "trim_rows",

@@ -76,6 +76,12 @@ class StoreCapacityError(MLXKVError):
     leave no room for it. Nothing is stored and nothing held is lost."""
 
 
+class StoreTrustError(MLXKVError):
+    """A prompt-store tier whose content the store cannot trust: a directory another user can
+    write or own, a shared tier opened without the secret its entries are authenticated with,
+    a namespace the store holds no key for."""
+
+
 class EagerDecodeWarning(UserWarning):
     """A decode step ran eagerly because a cache cannot enter a compiled one (its kind has
     no decode step builder, or refuses this step; ``CompiledDecoder(..., fallback="eager")``)."""

@@ -41,6 +41,12 @@ def redis_server():
     s.stop()
 
 
+@pytest.fixture(autouse=True)
+def deployment_secret(monkeypatch):
+    """Every server of a deployment shares the secret its Redis entries are authenticated with."""
+    monkeypatch.setenv("MLXKV_STORE_SECRET", "a-test-deployment-secret")
+
+
 def answer(loaded, tokens, cached, max_tokens):
     """What the server must answer: ``mlx_lm.generate`` on caches of the scheme that hold the
     first ``cached`` tokens (prefilled alone, as the stored entry was), then the rest."""

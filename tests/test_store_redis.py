@@ -21,6 +21,7 @@ from mlxkv.store.keys import block_chain, entry_id, identity_seed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 16
 CAP = 64 << 20
+SECRET = "a-test-deployment-secret"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def r(server):
 
 
 def _store(model, server, **kw):
+    kw.setdefault("secret", SECRET)
     return PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), redis=server.url, block_tokens=BLOCK, **kw)
 
 
@@ -58,7 +60,7 @@ model = build_model("llama")
 tokens = prompt(64, seed=21) + prompt(30, seed=22)
 caches = make_cache(model, "bf16")
 model(mx.array([tokens]), cache=caches)
-store = PromptStore(model, tokenizer(), cap=64 << 20, redis=sys.argv[1], block_tokens=16)
+store = PromptStore(model, tokenizer(), cap=64 << 20, redis=sys.argv[1], block_tokens=16, secret=sys.argv[2])
 store.put(tokens, caches)
 print(len(store.flush().uploaded))
 """
@@ -68,7 +70,7 @@ def test_two_processes_share_a_system_prompt(models, server, r):
     """Another process uploads system prompt + its question; this one, with an empty RAM
     tier, forwards only its own suffix and gets the logits of a full prefill."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, server.url],
+        [sys.executable, "-c", CHILD, server.url, SECRET],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": ROOT},
@@ -148,7 +150,10 @@ def test_other_identities_and_namespaces_never_match(models, server, r):
     llama, gemma = models("llama"), models("gemma3")
     tokens = prompt(40, seed=1)
     _upload(llama, server, tokens)
-    assert PromptStore(llama, None, cap=CAP, redis=server.url, block_tokens=BLOCK).take(tokens + [1]) is None
+    assert (
+        PromptStore(llama, None, cap=CAP, redis=server.url, block_tokens=BLOCK, secret=SECRET).take(tokens + [1])
+        is None
+    )
     assert _store(llama, server, scheme="kv4").take(tokens + [1]) is None
     assert _store(llama, server).take(tokens + [1], ns="lora") is None
     assert _store(gemma, server).take(tokens + [1]) is None
@@ -220,7 +225,7 @@ def test_redis_down_is_a_miss_and_a_reported_failure(models, tmp_path):
     gone.stop()
     model = models("llama")
     tokens = prompt(30, seed=1)
-    store = PromptStore(model, tokenizer(), cap=CAP, redis=url, block_tokens=BLOCK)
+    store = PromptStore(model, tokenizer(), cap=CAP, redis=url, block_tokens=BLOCK, secret=SECRET)
     assert store.take(tokens + [1]) is None
     store.put(tokens, build(model, "bf16", {}, tokens, 30))
     report = store.flush()
@@ -254,7 +259,7 @@ def test_the_layout_reads_back_without_mlxkv(models, server, r):
     (eid,) = r.smembers(f"mlxkv:{space}:b:{h[:16].hex()}")
     assert eid.decode() == hashlib.sha256(seed + u32).digest()[:16].hex()
     manifest = msgpack.unpackb(r.get(f"mlxkv:{space}:m:{eid.decode()}"))
-    assert manifest["v"] == 1 and f"{zlib.crc32(manifest['header'].encode()):08x}" == manifest["headerCrc32"]
+    assert manifest["v"] == 2 and f"{zlib.crc32(manifest['header'].encode()):08x}" == manifest["headerCrc32"]
     header = json.loads(manifest["header"])
     assert header["tokens"] == tokens
     data = {}

@@ -10,10 +10,11 @@ prefix of a prompt and gives finished rows to.
 - ``trim_to(n_sequences=None, n_bytes=None)``, ``len()``, ``nbytes``, ``stats_by_type()``.
 
 Any object with these members can serve; ``build_prompt_cache`` chooses. With ``--store DIR``
-or ``--redis URL`` it is :class:`ServerStore`: a :class:`~mlxkv.PromptStore` (RAM, then the
-directory's snapshot files, which survive restarts, then Redis, shared by several servers),
-opened when the model loads, since its entries are keyed by the model's fingerprint and
-tokenizer. Otherwise :class:`PromptCache`: mlx-lm's in-memory LRU with mlxkv's reuse rule
+or ``--redis URL`` it is :class:`mlxkv.store.StorePromptCache`: a :class:`~mlxkv.PromptStore`
+(RAM, then the directory's snapshot files, which survive restarts, then Redis, shared by
+several servers, its entries authenticated with the secret in ``MLXKV_STORE_SECRET``),
+opened when the model loads, since its entries are keyed by the model's fingerprint,
+tokenizer, scheme and cache options. Otherwise :class:`PromptCache`: mlx-lm's in-memory LRU with mlxkv's reuse rule
 (``mlxkv.state.reuse``): a stored entry serves a prompt from ``p = min(common prefix,
 len(prompt) - 1)`` only if ``p`` is not below any cache's ``minimum_reusable_offset`` and, when
 ``p`` is short of the entry, every cache can trim. So a bf16-first cache is never cut below
@@ -23,13 +24,13 @@ prompt, which it refuses).
 """
 
 import copy
-import threading
+import os
 
 from mlx_lm.models.cache import LRUPromptCache
 
 from ..state.reuse import usable_prefix
-from ..store import PromptStore
-from ..store.adapter import StorePromptCache
+from ..store import StoreOptions, StorePromptCache
+from .options import cache_options
 
 #: the RAM the store may hold when ``--prompt-cache-bytes`` is not given
 DEFAULT_STORE_BYTES = 1 << 30
@@ -57,73 +58,19 @@ class PromptCache(LRUPromptCache):
         return caches, tokens[p:]
 
 
-class ServerStore(StorePromptCache):
-    """A :class:`~mlxkv.PromptStore` as the server's prompt cache. Until ``bind`` (the model
-    loaded) it holds nothing: a fetch misses, an insert is dropped."""
-
-    def __init__(self, open_store):
-        """``open_store(model, tokenizer) -> PromptStore``."""
-        super().__init__(None)
-        self._open_store = open_store
-        self._lock = threading.Lock()
-
-    def bind(self, model, tokenizer) -> None:
-        """Open the store of the model just loaded (closing the previous model's)."""
-        store = self._open_store(model, tokenizer)
-        with self._lock:
-            old, self.store = self.store, store
-        if old is not None:
-            old.close()
-
-    def close(self) -> None:
-        """Write what is queued (to the directory and Redis) and release the store."""
-        with self._lock:
-            store, self.store = self.store, None
-        if store is not None:
-            store.close()
-
-    def fetch_nearest_cache(self, model, tokens):
-        return (None, list(tokens)) if self.store is None else super().fetch_nearest_cache(model, tokens)
-
-    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if self.store is not None:
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-
-    def trim_to(self, *, n_sequences=None, n_bytes=None):
-        if self.store is not None:
-            super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
-
-    def __len__(self):
-        return 0 if self.store is None else super().__len__()
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.store is None else self.store.nbytes
-
-    @property
-    def max_bytes(self) -> int:
-        return 0 if self.store is None else self.store.cap
-
-    def stats_by_type(self) -> dict:
-        return {} if self.store is None else super().stats_by_type()
-
-
 def build_prompt_cache(args):
-    """The prompt cache ``mlxkv serve`` runs with: a :class:`ServerStore` with ``--store`` or
-    ``--redis``, else :class:`PromptCache` (``--prompt-cache-size`` entries in memory)."""
+    """The prompt cache ``mlxkv serve`` runs with: a :class:`StorePromptCache` with ``--store``
+    or ``--redis`` (its options checked now, before the model loads), else
+    :class:`PromptCache` (``--prompt-cache-size`` entries in memory)."""
     if args.store is None and args.redis is None:
         return PromptCache(max_size=args.prompt_cache_size)
-    cap = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else DEFAULT_STORE_BYTES
-
-    def open_store(model, tokenizer):
-        return PromptStore(
-            model,
-            tokenizer,
-            cap=cap,
-            directory=args.store,
-            redis=args.redis,
-            scheme=args.scheme,
-            disk_cap=args.store_disk_bytes,
-        )
-
-    return ServerStore(open_store)
+    options = StoreOptions(
+        cap=args.prompt_cache_bytes if args.prompt_cache_bytes is not None else DEFAULT_STORE_BYTES,
+        directory=args.store,
+        redis=args.redis,
+        secret=os.environ.get("MLXKV_STORE_SECRET"),
+        scheme=args.scheme,
+        cache_options=cache_options(args),
+        disk_cap=args.store_disk_bytes,
+    )
+    return StorePromptCache(options=options)

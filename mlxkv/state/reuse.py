@@ -63,11 +63,14 @@ def prefix_for(entry_tokens: Sequence[int], reuse: Reuse, prompt: Sequence[int],
     if not prompt:
         return None
     p = min(common_prefix(entry_tokens, prompt, start), len(prompt) - 1)
-    if p <= 0 or p < reuse.floor:
-        return None
-    if p == len(entry_tokens) or reuse.trimmable:
-        return p
-    return None
+    return p if prefix_allowed(len(entry_tokens), reuse, p) else None
+
+
+def prefix_allowed(entry_len: int, reuse: Reuse, p: int) -> bool:
+    """May an entry of ``entry_len`` positions serve its first ``p`` (``p`` already at most
+    the shared prefix and ``len(prompt) - 1``)? Not below its floor; short of its whole
+    length only when it can trim."""
+    return p > 0 and reuse.floor <= p and (p == entry_len or reuse.trimmable)
 
 
 def usable_prefix(

@@ -5,6 +5,12 @@ config fingerprint, tokenizer and scheme; docs/store.md). The directory of an id
 private (0700, files 0600, as ``mkstemp`` makes them); files are written atomically
 (temporary file, fsync, rename, directory fsync) by ``snapshot.write``.
 
+What the tier trusts is the file system's owner: the directory given must belong to this
+user (or root) and no one else may write it (unless it is sticky, as ``/tmp`` is); the
+identity directory must be a real directory of this user, made private on every open. A
+file in it that is not a regular file of this user is skipped, never served. Anyone who can
+write as this user can write entries: the disk tier authenticates nothing else.
+
 Opening reads headers only: no tensor byte is read until an entry is taken, and the tensor
 checksums are verified then. What opening does with each file:
 
@@ -20,16 +26,18 @@ checksums are verified then. What opening does with each file:
 import contextlib
 import fcntl
 import os
+import stat
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import FormatVersionError, MLXKVError, SnapshotError, UnknownKindError
+from ..errors import FormatVersionError, MLXKVError, SnapshotError, StoreTrustError, UnknownKindError
 from ..io import temporaries
-from ..state.reuse import prefix_for, probe
+from ..state.reuse import prefix_allowed, probe
 from ..state.snapshot import read, read_header, write
 from .entry import Entry
-from .index import PrefixIndex, best_prefix
+from .health import Health
+from .index import PrefixIndex
+from .tier import Found, Opened, Query, Tier, Written
 
 SUFFIX = ".safetensors"
 QUARANTINE = "quarantine"
@@ -41,26 +49,76 @@ class OpenReport:
     indexed: int = 0
     skipped: list[str] = field(default_factory=list)  # kept: another identity, a newer format
     quarantined: list[str] = field(default_factory=list)
+    untrusted: list[str] = field(default_factory=list)  # links, other users' files: never read
     removed_temporaries: list[str] = field(default_factory=list)
 
 
-class DiskTier:
-    def __init__(self, root: str, identity: Identity, block: int, locate):
+def check_directory(directory: str) -> None:
+    """Refuse a store directory the store cannot use or trust (before anything is opened):
+    not a directory, or one another user owns or may write (unless sticky)."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(directory))
+        if not os.path.isdir(parent):
+            raise MLXKVError(
+                f"the store directory {directory!r} cannot be made: {parent!r} is not a directory"
+            ) from None
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise MLXKVError(
+            f"the store directory {directory!r} is not a directory: give a directory (it is made if missing)"
+        )
+    if st.st_uid not in (os.geteuid(), 0):
+        raise StoreTrustError(
+            f"the store directory {directory!r} belongs to user {st.st_uid}, not to this user ({os.geteuid()}): "
+            "its owner could replace its entries; give a directory of your own"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise StoreTrustError(
+            f"the store directory {directory!r} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"they could replace its entries; `chmod go-w {directory}` or give a private directory"
+        )
+
+
+def _private_directory(path: str) -> None:
+    """Make ``path`` (or find it) a real directory of this user, mode 0700."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "a link" if stat.S_ISLNK(st.st_mode) else f"user {st.st_uid}'s"
+        raise StoreTrustError(
+            f"{path!r} is not a directory of this user ({what}): the store will not read entries another user "
+            "could have written; remove it"
+        )
+    os.chmod(path, 0o700)  # an identity directory is private, whatever made it
+
+
+class DiskTier(Tier):
+    name = "disk"
+    durable = True
+
+    def __init__(self, root: str, identity: dict, block: int, locate, lock, model=None, verify: bool = True):
         """``locate(header) -> (key, space, chain)``: the entry id, space and block chain a
-        header's entry is filed under (the store derives them from the identity)."""
+        header's entry is filed under (the store derives them from the identity); ``lock``:
+        the store's, held while the index changes."""
         self.root = root
         self.identity = identity
         self._locate = locate
+        self._lock = lock
+        self.model, self.verify = model, verify
         self._entries: dict[str, Entry] = {}
         self._index = PrefixIndex(block)
         self.nbytes = 0
         self._lock_fd = None
+        self.health = Health("disk", root)
+        self.opened = Opened("disk", root, 0)
 
     # -- opening ------------------------------------------------------------------------
 
     def open(self) -> OpenReport:
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        os.chmod(self.root, 0o700)  # an identity directory is private, whatever made it
+        check_directory(os.path.dirname(self.root))
+        _private_directory(self.root)
         report = OpenReport()
         alone = self._lock_directory()
         now = time.time()
@@ -74,7 +132,14 @@ class DiskTier:
                         os.unlink(path)
                         report.removed_temporaries.append(name)
                 continue
-            if not name.endswith(SUFFIX) or not os.path.isfile(path):
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                report.untrusted.append(name)  # a link, or another user's: never read
                 continue
             try:
                 header = read_header(path)
@@ -95,6 +160,17 @@ class DiskTier:
                 report.quarantined.append(name)
                 continue
             report.indexed += 1
+        self.opened = Opened(
+            "disk",
+            self.root,
+            report.indexed,
+            {
+                "skipped": report.skipped,
+                "quarantined": report.quarantined,
+                "untrusted": report.untrusted,
+                "removed temporaries": report.removed_temporaries,
+            },
+        )
         return report
 
     def _lock_directory(self) -> bool:
@@ -176,13 +252,31 @@ class DiskTier:
                 os.unlink(record.extra["path"])
         return record
 
-    def find(self, space: str, prompt: Sequence[int], chain: Sequence[bytes]) -> tuple[Entry | None, int]:
-        def usable(key, start):
+    def find(self, query: Query, better_than: int) -> Found | None:
+        def usable(key, p):
             e = self._entries[key]
-            return prefix_for(e.tokens, e.reuse, prompt, start)
+            return prefix_allowed(len(e.tokens), e.reuse, p)
 
-        key, p = best_prefix(self._index, space, prompt, chain, usable)
-        return (self._entries[key], p) if key is not None else (None, 0)
+        key, p = self._index.best(query.space, query.prompt, query.chain, usable, better_than)
+        return Found(p, self._entries[key]) if key is not None else None
+
+    def read(self, found: Found) -> Entry | None:
+        """The entry with its arrays, every checksum verified; None when its file turned out
+        damaged or changed (it is quarantined and forgotten: the store asks again)."""
+        record = found.record
+        try:
+            return self.load(record, self.model, self.verify)
+        except SnapshotError as e:
+            self.health.refuse(f"a damaged file is quarantined: {e}")
+            with self._lock:
+                if self._entries.get(record.key) is record:
+                    self.remove(record.key, delete=False)
+                    if os.path.exists(record.extra["path"]):
+                        self.quarantine(record.extra["path"])
+            return None
+        except OSError as e:
+            self.health.failed(e)
+            return None
 
     def oldest_first(self) -> list[Entry]:
         return sorted(self._entries.values(), key=lambda e: e.extra["mtime"])
@@ -192,13 +286,19 @@ class DiskTier:
     def path_of(self, key: str) -> str:
         return os.path.join(self.root, key + SUFFIX)
 
-    def write(self, entry: Entry) -> Entry:
-        """Write ``entry`` (durably: fsync'd file and directory); returns its record."""
+    def write(self, entry: Entry) -> Written:
+        """Write ``entry`` durably (fsync'd file and directory); its record is indexed by the
+        store once the write is recorded."""
         path = self.path_of(entry.key)
         header = write(path, entry.header, list(entry.arrays.items()), fsync=True)
-        return self.record(path, header)
+        record = self.record(path, header)
+        self.health.count("writes")
+        self.health.count("bytes_written", record.nbytes)
+        if not self.health.healthy:
+            self.health.recovered()
+        return Written(durable=True, record=record, nbytes=record.nbytes)
 
-    def read(self, record: Entry, model=None, verify: bool = True) -> Entry:
+    def load(self, record: Entry, model=None, verify: bool = True) -> Entry:
         """The entry with its arrays, every checksum verified; raises SnapshotError."""
         path = record.extra["path"]
         header, arrays = read(
@@ -215,4 +315,5 @@ class DiskTier:
             os.utime(path)  # the disk tier's least-recently-used order survives restarts
         record.extra["mtime"] = time.time()
         nbytes = sum(a.nbytes for a in arrays.values())
+        self.health.count("bytes_read", nbytes)
         return Entry(record.key, record.space, record.tokens, record.reuse, nbytes, header, arrays)

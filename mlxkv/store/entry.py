@@ -27,6 +27,8 @@ class Entry:
     header: dict
     arrays: dict[str, mx.array] | None = None  # None: the bytes live in another tier
     pinned: bool = False
+    used: int = 0  # the retention policy's clock at the entry's last put or lending
+    serial: int = 0  # which put made it (a write is recorded against the put that queued it)
     extra: dict = field(default_factory=dict)  # a tier's own bookkeeping (path, mtime, ...)
 
     @property

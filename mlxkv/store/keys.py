@@ -57,3 +57,18 @@ def block_chain(seed: bytes, tokens: Sequence[int], block: int, limit: int | Non
 
 def entry_id(seed: bytes, tokens: Sequence[int]) -> str:
     return hashlib.sha256(seed + token_bytes(tokens)).digest()[:ID_BYTES].hex()
+
+
+def scheme_identity(scheme: str, options: dict | None = None) -> str:
+    """The cache scheme as a store's identity names it (header field ``kvScheme``): the
+    scheme string, followed by every ``make_cache`` option that is set, each of which
+    changes what a cache holds (``max_kv_size`` makes rings), canonical:
+    ``"bf16"``, ``"bf16+max_kv_size=4096"``."""
+    set_ = {k: v for k, v in (options or {}).items() if v is not None}
+    if not set_:
+        return scheme
+    return (
+        scheme
+        + "+"
+        + ",".join(f"{k}={json.dumps(set_[k], sort_keys=True, separators=(',', ':'))}" for k in sorted(set_))
+    )

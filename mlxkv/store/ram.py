@@ -1,22 +1,28 @@
-"""The RAM tier: entries with their arrays, in least-recently-used order, and their index.
+"""The RAM tier: entries with their arrays, and their prefix index.
 
 It keeps entries and answers lookups; which entry goes when the store is over its cap is
-the store's decision (it also knows what the write queue still holds).
+the store's decision (its retention policy, which also keeps the one recency clock, and the
+writes still in flight).
 """
 
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-from ..state.reuse import prefix_for
+from ..state.reuse import prefix_allowed
 from .entry import Entry
-from .index import PrefixIndex, best_prefix
+from .health import Health
+from .index import PrefixIndex
+from .tier import Found, Opened, Query, Tier
 
 
-class RamTier:
+class RamTier(Tier):
+    name = "ram"
+
     def __init__(self, block: int):
-        self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest use first
+        self._entries: dict[str, Entry] = {}
         self._index = PrefixIndex(block)  # prompt entries only: checkpoints are found by generation
         self.nbytes = 0
+        self.health = Health("ram", "memory")
+        self.opened = Opened("ram", "memory", 0)
 
     def __len__(self):
         return len(self._entries)
@@ -29,6 +35,10 @@ class RamTier:
 
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
+
+    def oldest_first(self) -> list[Entry]:
+        """Least recently used first (the retention policy's clock)."""
+        return sorted(self._entries.values(), key=lambda e: e.used)
 
     def add(self, entry: Entry, chain: Sequence[bytes]) -> None:
         assert entry.key not in self._entries
@@ -44,16 +54,13 @@ class RamTier:
             self._index.remove(key)
         return entry
 
-    def touch(self, key) -> None:
-        self._entries.move_to_end(key)
-
-    def oldest_first(self) -> Iterator[Entry]:
-        return iter(list(self._entries.values()))
-
-    def find(self, space: str, prompt: Sequence[int], chain: Sequence[bytes]) -> tuple[Entry | None, int]:
-        def usable(key, start):
+    def find(self, query: Query, better_than: int) -> Found | None:
+        def usable(key, p):
             e = self._entries[key]
-            return prefix_for(e.tokens, e.reuse, prompt, start)
+            return prefix_allowed(len(e.tokens), e.reuse, p)
 
-        key, p = best_prefix(self._index, space, prompt, chain, usable)
-        return (self._entries[key], p) if key is not None else (None, 0)
+        key, p = self._index.best(query.space, query.prompt, query.chain, usable, better_than)
+        return Found(p, self._entries[key]) if key is not None else None
+
+    def read(self, found: Found) -> Entry | None:
+        return found.record

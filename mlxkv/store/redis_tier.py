@@ -2,12 +2,23 @@
 
 An entry is stored as pieces (its tensors' bytes, cut into pieces of at most ``piece_bytes``,
 each with its CRC-32) and one small manifest encoded with msgpack (the mlxkv header, the
-piece table). Each whole block of its tokens files its id under the chained block hash
-(``keys.block_chain``, seeded with the identity), which is how another process finds it.
-One process uploads a given prefix: the upload holds a lease (a Redis lock with a timeout)
-and skips an entry whose manifest is already there. Every piece is verified on read; a
-piece Redis evicted or expired, or one whose checksum differs, makes the entry a miss and
-its manifest is deleted (only if it is still the one read), never a wrong cache.
+piece table, the entry's HMAC: ``trust.py``). Each whole block of its tokens files its id
+under the chained block hash (``keys.block_chain``, seeded with the identity), which is how
+another process finds it. One process uploads a given prefix: the upload holds a lease
+(a Redis lock with a timeout, renewed per tensor) and skips an entry whose manifest is
+already there; an upload's keys live only ``lease_seconds`` until its last step gives them
+all the full time to live at once, so an uploader killed half way leaves nothing that
+outlives its lease.
+
+A read trusts nothing it fetches: a manifest larger than ``MAX_MANIFEST`` is not fetched, an
+entry larger than what the store may hold (``limit``) is not downloaded, every piece is
+checked (length, CRC-32), every tensor's joined bytes against the header's CRC-32, and the
+whole entry against its HMAC. A missing or damaged piece makes the entry a miss and its
+manifest is deleted (only if it is still the one read); an entry that does not
+authenticate is a miss and is left alone. Never a wrong cache.
+
+Every call goes through the tier's breaker (``health.Breaker``): a lookup waits at most
+``budget`` seconds for Redis, and none at all while Redis is failing.
 
 Key names and encodings are normative for other implementations (docs/store.md, "Redis
 layout"). Every key has a time to live, refreshed when an entry is read.
@@ -28,12 +39,16 @@ from ..io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer
 from ..state.reuse import prefix_for, probe
 from ..state.snapshot import META_CRC_KEY, META_KEY, parse_header
 from .entry import Entry
-from .keys import block_chain
+from .health import Breaker
+from .keys import block_chain, entry_id
+from .tier import Found, Opened, Query, Tier, Written
+from .trust import EntryMac, Keys
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 HASH_BYTES = 16  # block hashes in key names: the first 16 bytes, hex
 BATCH = 16  # manifests read per round trip of a lookup
 MAX_CANDIDATES = 64  # manifests read per lookup depth at most
+MAX_MANIFEST = 4 << 20  # bytes of one manifest a reader fetches at most
 #: what a damaged or foreign manifest raises in ``parse``
 MANIFEST_ERRORS = (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackException)
 
@@ -41,27 +56,74 @@ MANIFEST_ERRORS = (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackEx
 _DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-class RedisTier:
+class Leased(Exception):
+    """Another process holds the upload lease of this entry; try again in ``retry_in`` s."""
+
+    def __init__(self, retry_in: float):
+        super().__init__(f"another process is uploading this entry (lease ends in {retry_in:.1f} s)")
+        self.retry_in = retry_in
+
+
+def redacted(url: str) -> str:
+    """A Redis URL without its password (for logs and the banner)."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+def connect(url: str, timeout: float) -> redis.Redis:
+    """A client of ``url``; an unusable URL is refused now (before a model loads)."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise MLXKVError(f"--redis must be a redis://, rediss:// or unix:// URL, got {url!r}")
+    try:
+        return redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=0
+        )
+    except ValueError as e:
+        raise MLXKVError(f"cannot use the Redis URL {redacted(url)!r}: {e}") from None
+
+
+class RedisTier(Tier):
+    name = "redis"
+    local = False
+
     def __init__(
         self,
         url_or_client,
         identity: Identity,
         block: int,
+        keys: Keys,
+        seed_of,
         *,
+        limit: int,
         prefix: str = "mlxkv",
         ttl: int = 24 * 3600,
         piece_bytes: int = 1 << 20,
-        lease_seconds: float = 60.0,
-        timeout: float = 10.0,
+        lease_seconds: float = 30.0,
+        timeout: float = 2.0,
+        budget: float = 0.5,
     ):
-        if isinstance(url_or_client, str):  # a hung server must not hang a put: time out
-            self.client = redis.Redis.from_url(url_or_client, socket_timeout=timeout, socket_connect_timeout=timeout)
+        """``limit``: the largest entry a read downloads (the store's cap); ``timeout``: of
+        every socket operation (a hung server frees the tier's threads after it);
+        ``budget``: what a lookup waits for Redis at most; ``seed_of(space)``: the identity
+        seed of a space (``keys.identity_seed``)."""
+        if isinstance(url_or_client, str):
+            self.client = connect(url_or_client, timeout)
+            where = redacted(url_or_client)
         else:
             self.client = url_or_client
-        self.identity, self.block = identity, block
+            where = repr(url_or_client)
+        self.identity, self.block, self.keys, self._seed_of = identity, block, keys, seed_of
+        self.limit = int(limit)
         self.prefix, self.ttl = prefix, int(ttl)
-        self.piece_bytes, self.lease_seconds = int(piece_bytes), lease_seconds
+        self.piece_bytes, self.lease_seconds = int(piece_bytes), float(lease_seconds)
         self._delete_if_same = self.client.register_script(_DELETE_IF_SAME)
+        self.health = Breaker("redis", where, self.client.ping, budget=budget)
+        self.opened = Opened("redis", where, None)
+
+    def close(self) -> None:
+        self.health.close()
 
     # -- key names ----------------------------------------------------------------------
 
@@ -80,56 +142,93 @@ class RedisTier:
     def lease_key(self, seed: bytes, eid: str) -> str:
         return self._k(seed, "lease", eid)
 
-    # -- writing (the store's writer thread) ---------------------------------------------
+    # -- the tier interface ---------------------------------------------------------------
 
-    def upload(self, entry: Entry, seed: bytes, chain: Sequence[bytes]) -> str:
-        """Upload ``entry`` unless it is there or another process is uploading it; returns
-        "uploaded", "present" or "leased"."""
+    def find(self, query: Query, better_than: int) -> Found | None:
+        if not query.chain or self.keys.key(query.space) is None:
+            return None
+        found = self.health.call(self._find, query, better_than)
+        return None if found is None else Found(found[2], found)
+
+    def read(self, found: Found) -> Entry | None:
+        manifest, raw, _, seed, eid = found.record
+        return self.health.call(self._fetch, seed, eid, manifest, raw)
+
+    def write(self, entry: Entry) -> Written:
+        seed = self._seed_of(entry.space)
+        return self.health.run(self._upload, entry, seed, block_chain(seed, entry.tokens, self.block))
+
+    def remove(self, key: str) -> None:
+        pass  # shared entries expire; one process does not delete what others may use
+
+    # -- writing (the tier's writer thread) -----------------------------------------------
+
+    def _upload(self, entry: Entry, seed: bytes, chain: Sequence[bytes]) -> Written:
+        """Upload ``entry`` unless it is there; raises :class:`Leased` while another process
+        uploads it."""
+        key = self.keys.require(entry.space)
         r = self.client
         mkey = self.manifest_key(seed, entry.key)
         if r.expire(mkey, self.ttl):
             self._refresh_present(seed, entry.key, chain)
-            return "present"
+            return Written(present=True)
+        lease_ms = int(self.lease_seconds * 1000)
         lock = r.lock(self.lease_key(seed, entry.key), timeout=self.lease_seconds, blocking=False)
         if not lock.acquire(blocking=False):
-            return "leased"
+            left = r.pttl(self.lease_key(seed, entry.key))
+            raise Leased(max(0.05, (left if left and left > 0 else lease_ms) / 1000))
         try:
             if r.exists(mkey):
-                return "present"
+                return Written(present=True)
             upload = secrets.token_hex(8)
             header = json.loads(json.dumps(entry.header))
-            pieces, i = [], 0
-            for cache in header["caches"]:
+            buffers = {}
+            for cache in header["caches"]:  # the header first: the HMAC covers it before the pieces
                 for t in cache["tensors"]:
                     a = entry.arrays[t["name"]]
-                    buf = array_buffer(a)
+                    buf = buffers[t["name"]] = memoryview(array_buffer(a)).cast("B")
                     t["dtype"], t["shape"], t["crc32"] = dtype_name(a), list(a.shape), crc32_hex(buf)
+            text = json.dumps(header, separators=(",", ":"), ensure_ascii=True)
+            mac = EntryMac(key, seed[:16].hex(), entry.key, upload, text)
+            table, written, i = [], [], 0
+            for cache in header["caches"]:
+                for t in cache["tensors"]:
+                    buf = buffers[t["name"]]
                     pipe = r.pipeline(transaction=False)
                     for start in range(0, max(len(buf), 1), self.piece_bytes):
                         piece = bytes(buf[start : start + self.piece_bytes])
-                        pipe.set(self.piece_key(seed, entry.key, upload, i), piece, ex=self.ttl)
-                        pieces.append([t["name"], len(piece), crc32(piece) & 0xFFFFFFFF])
+                        pkey = self.piece_key(seed, entry.key, upload, i)
+                        pipe.set(pkey, piece, px=lease_ms)  # the full time to live once complete
+                        table.append([t["name"], len(piece), crc32(piece) & 0xFFFFFFFF])
+                        mac.piece(t["name"], piece)
+                        written.append(pkey)
                         i += 1
-                    pipe.execute()  # one tensor's pieces at a time: bounded transient memory
-                    del buf
-            text = json.dumps(header, separators=(",", ":"), ensure_ascii=True)
+                    pipe.execute()  # one tensor's pieces at a time
+                    lock.extend(self.lease_seconds, replace_ttl=True)
+            del buffers
             manifest = {
                 "v": MANIFEST_VERSION,
                 "header": text,
                 "headerCrc32": crc32_hex(text.encode()),
                 "upload": upload,
                 "pieceBytes": self.piece_bytes,
-                "pieces": pieces,
+                "pieces": table,
+                "mac": mac.hexdigest(),
             }
+            blocks = [self.block_key(seed, h) for h in chain]
             pipe = r.pipeline(transaction=False)
-            pipe.set(mkey, msgpack.packb(manifest), ex=self.ttl)  # after its pieces: never ahead of them
-            for h in chain:
-                pipe.sadd(self.block_key(seed, h), entry.key)
-                pipe.expire(self.block_key(seed, h), self.ttl)
+            pipe.set(mkey, msgpack.packb(manifest), px=lease_ms)  # after its pieces: never ahead of them
+            for b in blocks:
+                pipe.sadd(b, entry.key)
+                pipe.expire(b, self.ttl)
             pipe.execute()
-            return "uploaded"
+            self._expire([*written, mkey, *blocks], transaction=True)  # the upload is complete
+            nbytes = sum(n for _, n, _ in table)
+            self.health.count("writes")
+            self.health.count("bytes_written", nbytes)
+            return Written(nbytes=nbytes)
         finally:
-            with contextlib.suppress(redis.exceptions.LockError):  # the lease timed out meanwhile
+            with contextlib.suppress(redis.exceptions.LockError, redis.exceptions.RedisError):
                 lock.release()
 
     def _refresh_present(self, seed, eid, chain):
@@ -143,111 +242,157 @@ class RedisTier:
                 keys += [self.piece_key(seed, eid, m["upload"], i) for i in range(len(m["pieces"]))]
         self._expire(keys)
 
-    def _expire(self, keys):
-        pipe = self.client.pipeline(transaction=False)
+    def _expire(self, keys, transaction: bool = False):
+        pipe = self.client.pipeline(transaction=transaction)
         for k in keys:
             pipe.expire(k, self.ttl)
         pipe.execute()
 
     # -- reading --------------------------------------------------------------------------
 
-    def find(self, seed: bytes, prompt: Sequence[int], chain: Sequence[bytes], better_than: int) -> tuple:
-        """(manifest, raw manifest, p) of the longest usable prefix longer than
-        ``better_than`` among the entries sharing a whole block with ``prompt``, or
-        (None, None, 0). Reads manifests only."""
-        if not chain:
-            return None, None, 0
+    def _find(self, query: Query, better_than: int):
+        """(manifest, raw manifest, p, seed, eid) of the longest usable prefix longer than
+        ``better_than`` among the entries sharing a whole block with the prompt, or None.
+        Reads manifests only, each at most MAX_MANIFEST bytes, at most MAX_CANDIDATES a
+        depth."""
+        seed, prompt, chain = query.seed, query.prompt, query.chain
         pipe = self.client.pipeline(transaction=False)
         for h in chain:
-            pipe.smembers(self.block_key(seed, h))
-        members = pipe.execute()
-        best, best_raw, best_p, seen = None, None, better_than, set()
+            pipe.scard(self.block_key(seed, h))
+        cards = pipe.execute()
+        best, best_p = None, better_than
         limit = len(prompt) - 1
-        for depth in range(len(members), 0, -1):
-            ids = [i for i in (m.decode() for m in members[depth - 1]) if i not in seen]
-            if not ids:
+        seen = set()
+        for depth in range(len(cards), 0, -1):
+            if not cards[depth - 1]:
                 continue
             bound = min(limit, (depth + 1) * self.block - 1)  # for every entry first met here
             if bound <= best_p:
                 break
+            bkey = self.block_key(seed, chain[depth - 1])
+            if cards[depth - 1] > MAX_CANDIDATES:  # a popular prefix, or a flooded set: a sample
+                members = self.client.srandmember(bkey, MAX_CANDIDATES)
+            else:
+                members = self.client.smembers(bkey)
+            ids = sorted(i for i in (m.decode(errors="replace") for m in members) if i not in seen)[:MAX_CANDIDATES]
             seen.update(ids)
-            # a popular prefix (a system prompt) files many entries: read their manifests a
-            # batch at a time, stop at the depth's bound, and at most MAX_CANDIDATES of them
-            for start in range(0, min(len(ids), MAX_CANDIDATES), BATCH):
+            for start in range(0, len(ids), BATCH):
                 batch = ids[start : start + BATCH]
-                raws = self.client.mget([self.manifest_key(seed, i) for i in batch])
-                gone = [i for i, raw in zip(batch, raws) if raw is None]
+                mkeys = [self.manifest_key(seed, i) for i in batch]
+                pipe = self.client.pipeline(transaction=False)
+                for k in mkeys:
+                    pipe.strlen(k)
+                sizes = pipe.execute()
+                gone = [i for i, n in zip(batch, sizes) if not n]
                 if gone:  # expired or evicted: forget them here too
-                    self.client.srem(self.block_key(seed, chain[depth - 1]), *gone)
-                for raw in raws:
+                    self.client.srem(bkey, *gone)
+                fetch = [(i, k) for i, k, n in zip(batch, mkeys, sizes) if 0 < n <= MAX_MANIFEST]
+                if len(fetch) < len(batch) - len(gone):
+                    self.health.count("refused", len(batch) - len(gone) - len(fetch))
+                raws = self.client.mget([k for _, k in fetch]) if fetch else []
+                for (eid, _), raw in zip(fetch, raws):
                     if raw is None:
                         continue
                     try:
-                        manifest = self.parse(raw)
-                    except MANIFEST_ERRORS:
+                        manifest = self.parse(raw, query.space)
+                    except MANIFEST_ERRORS as e:
+                        self.health.refuse(f"a shared manifest was refused: {type(e).__name__}: {e}")
                         continue
-                    p = prefix_for(manifest["headerDoc"]["tokens"], manifest["reuse"], prompt, 0)
+                    tokens = manifest["headerDoc"]["tokens"]
+                    if entry_id(seed, tokens) != eid or manifest["nbytes"] > self.limit:
+                        self.health.count("refused")  # filed under another id, or larger than the store
+                        continue
+                    p = prefix_for(tokens, manifest["reuse"], prompt, 0)
                     if p is not None and p > best_p:
-                        best, best_raw, best_p = manifest, raw, p
+                        best, best_p = (manifest, raw, p, seed, eid), p
                 if best_p >= bound:
                     break
-        return (best, best_raw, best_p) if best is not None else (None, None, 0)
+        return best
 
-    def parse(self, raw: bytes) -> dict:
+    def parse(self, raw: bytes, space: str | None = None) -> dict:
         """A manifest, checked: its version, header checksum, header (every check of a
-        snapshot header), identity and piece table."""
+        snapshot header), identity, namespace and piece table."""
         m = msgpack.unpackb(raw, raw=False)
         if not isinstance(m, dict) or m.get("v") != MANIFEST_VERSION:
             raise SnapshotError(f"not a version {MANIFEST_VERSION} mlxkv manifest")
         text = m["header"]
+        if not isinstance(text, str) or not isinstance(m["mac"], str) or not isinstance(m["upload"], str):
+            raise SnapshotError("a malformed manifest")
         tensors = {}
         doc = json.loads(text)
         for cache in doc.get("caches", []):
             for t in cache.get("tensors", []):
                 tensors[t["name"]] = TensorInfo(t["name"], t["dtype"], list(t["shape"]), 0, 0)
         st = SafetensorsHeader("redis manifest", {META_KEY: text, META_CRC_KEY: m["headerCrc32"]}, tensors, 0, 0)
-        header = check_header(st)
-        if not self.identity.serves(header):
-            raise SnapshotError("a manifest of another identity")
+        header = parse_header(st)
+        for k in ("configFingerprint", "tokenizerHash", "kvScheme"):
+            if header.get(k, "") != self.identity.get(k, ""):
+                raise SnapshotError("a manifest of another identity")
+        if space is not None and header.get("ns", "") != space:
+            raise SnapshotError("a manifest of another namespace")
         sizes = {}
         for name, n, c in m["pieces"]:
-            if name not in tensors or not isinstance(n, int) or not isinstance(c, int):
+            if name not in tensors or not isinstance(n, int) or not isinstance(c, int) or n < 0:
                 raise SnapshotError("a malformed piece table")
             sizes[name] = sizes.get(name, 0) + n
+        total = 0
         for name, info in tensors.items():
             want = int(np.prod(info.shape, dtype=np.int64)) * np.dtype(DTYPES[info.dtype][1]).itemsize
             if sizes.get(name, 0) != want:
                 raise SnapshotError(f"the pieces of {name} hold {sizes.get(name, 0)} bytes, not {want}")
+            total += want
         m["headerDoc"] = header
         m["reuse"] = probe(header)
+        m["nbytes"] = total
         return m
 
-    def fetch(self, seed: bytes, eid: str, manifest: dict, raw: bytes) -> Entry | None:
-        """The entry with its arrays, every piece verified; None (and the manifest deleted)
-        when a piece is missing or damaged."""
-        n = len(manifest["pieces"])
-        keys = [self.piece_key(seed, eid, manifest["upload"], i) for i in range(n)]
-        pieces = self.client.mget(keys) if keys else []
-        ok = all(
-            p is not None and len(p) == size and (crc32(p) & 0xFFFFFFFF) == c
-            for p, (_, size, c) in zip(pieces, manifest["pieces"])
-        )
-        if not ok:
-            self._delete_if_same(keys=[self.manifest_key(seed, eid)], args=[raw])
-            return None
+    def _fetch(self, seed: bytes, eid: str, manifest: dict, raw: bytes) -> Entry | None:
+        """The entry with its arrays, every piece, tensor and the HMAC verified; None (and the
+        manifest deleted when a piece is missing or damaged) otherwise. One tensor's pieces
+        are fetched at a time."""
         header = manifest["headerDoc"]
-        blocks = [self.block_key(seed, h) for h in block_chain(seed, header["tokens"], self.block)]
-        self._expire([self.manifest_key(seed, eid), *keys, *blocks])  # read: another time to live
-        joined: dict[str, list[bytes]] = {}
-        for p, (name, _, _) in zip(pieces, manifest["pieces"]):
-            joined.setdefault(name, []).append(p)
-        arrays = {}
+        upload = manifest["upload"]
+        ns_key = self.keys.key(header.get("ns", ""))
+        if ns_key is None:
+            return None
+        by_tensor: dict[str, list] = {}
+        for i, (name, size, c) in enumerate(manifest["pieces"]):
+            by_tensor.setdefault(name, []).append((i, size, c))
+        mac = EntryMac(ns_key, seed[:16].hex(), eid, upload, manifest["header"])
+        arrays, damaged = {}, None
         for cache in header["caches"]:
             for t in cache["tensors"]:
+                table = by_tensor.get(t["name"], [])
+                keys = [self.piece_key(seed, eid, upload, i) for i, _, _ in table]
+                got = self.client.mget(keys) if keys else []
+                running = 0
+                for p, (_, size, c) in zip(got, table):
+                    if p is None or len(p) != size or (crc32(p) & 0xFFFFFFFF) != c:
+                        damaged = "a piece is missing or damaged"
+                        break
+                    running = crc32(p, running)
+                    mac.piece(t["name"], p)
+                if damaged is None and f"{running & 0xFFFFFFFF:08x}" != t["crc32"]:
+                    damaged = f"the bytes of {t['name']} do not match the header's crc32"
+                if damaged is not None:
+                    break
                 mx_dtype, np_dtype = DTYPES[t["dtype"]]
-                data = np.frombuffer(b"".join(joined.get(t["name"], [])), dtype=np_dtype).reshape(t["shape"])
-                a = mx.array(data)
+                a = mx.array(np.frombuffer(b"".join(got), dtype=np_dtype).reshape(t["shape"]))
                 arrays[t["name"]] = a.view(mx.bfloat16) if t["dtype"] == "BF16" else a
+                del got
+            if damaged is not None:
+                break
+        if damaged is not None:
+            self.health.refuse(f"a shared entry was damaged or partly evicted ({damaged}): a miss")
+            self._delete_if_same(keys=[self.manifest_key(seed, eid)], args=[raw])
+            return None
+        if not mac.matches(manifest["mac"]):
+            self.health.refuse("a shared entry failed authentication (written without this deployment's secret)")
+            return None
+        keys = [self.piece_key(seed, eid, upload, i) for i in range(len(manifest["pieces"]))]
+        blocks = [self.block_key(seed, h) for h in block_chain(seed, header["tokens"], self.block)]
+        self._expire([self.manifest_key(seed, eid), *keys, *blocks])  # read: another time to live
         mx.eval(list(arrays.values()))
         nbytes = sum(a.nbytes for a in arrays.values())
+        self.health.count("bytes_read", nbytes)
         return Entry(eid, header.get("ns", ""), list(header["tokens"]), manifest["reuse"], nbytes, header, arrays)

@@ -1,6 +1,9 @@
 """Which RAM entry goes first when the store is over its cap.
 
 - ``lru``: the least recently used (put or lent).
+
+The policy keeps the store's one recency clock (``Entry.used``); the RAM tier lists its
+entries by it.
 - ``cost-size``: GreedyDual-Size-Frequency, as mlx-bun's prompt cache has it: an entry's
   priority is ``age + cost * uses / bytes`` (``cost``: the prefix it last served, in tokens,
   or its length when put; ``uses``: 1 at the put, one more per lending), the lowest priority
@@ -23,13 +26,13 @@ class LRU:
         self._clock = itertools.count()
 
     def on_put(self, entry) -> None:
-        entry.extra["used"] = next(self._clock)
+        entry.used = next(self._clock)
 
     def on_lend(self, entry, p: int) -> None:
-        entry.extra["used"] = next(self._clock)
+        entry.used = next(self._clock)
 
     def victim(self, candidates):
-        return min(candidates, key=lambda e: e.extra["used"], default=None)
+        return min(candidates, key=lambda e: e.used, default=None)
 
     def on_evict(self, entry) -> None:
         pass
@@ -56,7 +59,7 @@ class CostSize(LRU):
         self._rank(entry, p)
 
     def victim(self, candidates):
-        return min(candidates, key=lambda e: (e.extra["priority"], e.extra["used"]), default=None)
+        return min(candidates, key=lambda e: (e.extra["priority"], e.used), default=None)
 
     def on_evict(self, entry) -> None:
         self.age = max(self.age, entry.extra.get("priority", 0.0))

@@ -1,33 +1,43 @@
 """``PromptStore``: saved prefixes reused across requests, sessions and machines.
 
-Tiers, each optional below RAM: RAM (entries with their arrays, a byte cap that holds, LRU
-eviction, pinned entries), disk (one snapshot file per entry, written behind a queue, durable
-after ``flush``), Redis (entries shared by several processes). ``take`` finds the longest
-usable prefix over every tier (RAM first; a lower tier only when it offers a strictly longer
-one) and lends copies trimmed to it; ``put`` stores caches under the tokens they encode,
-replacing an exact duplicate and dropping entries it covers. docs/store.md has the rules.
+Tiers, fastest first, each below RAM optional: RAM (entries with their arrays, a byte cap
+that holds, eviction by a retention policy, pinned entries), disk (one snapshot file per
+entry, durable after ``flush``), Redis (entries shared by several processes). They share
+one interface (``tier.py``): ``take`` asks each in turn for a strictly longer prefix than it
+has and lends copies trimmed to the best; ``put`` keeps the entry in RAM, replacing an exact
+duplicate and dropping entries it covers, and queues it to each lower tier's own writer.
+docs/store.md has the rules.
 """
 
 import contextlib
+import itertools
 import os
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import MLXKVError, SnapshotError, StoreCapacityError
+from ..errors import MLXKVError, StoreCapacityError, StoreTrustError
 from ..state.checkpoint import read_checkpoint
 from ..state.identity import model_identity, tokenizer_hash
 from ..state.reuse import common_prefix, covers
-from .disk import DiskTier, OpenReport
+from .disk import DiskTier, OpenReport, check_directory
 from .entry import Entry, freeze
-from .keys import block_chain, entry_id, identity_seed
+from .health import TierUnavailable
+from .keys import block_chain, entry_id, identity_seed, scheme_identity
 from .queue import Job, WriteQueue
 from .ram import RamTier
 from .retention import retention_policy
+from .tier import Found, Opened, Query, Tier
+from .trust import Keys
+from .writelog import FlushReport, Outcome, WriteLog
 
 CHECKPOINT_SPACE = "\0checkpoint:"
+#: how many candidates of one local tier a take reads before giving up on it (a damaged
+#: file is forgotten and the next asked for)
+READS_PER_TIER = 4
 
 
 @dataclass
@@ -40,25 +50,6 @@ class Hit:
     prefix_len: int
     tier: str = "ram"
     attachments: dict | None = None  # the entry's method companion state (lent whole only)
-
-
-@dataclass
-class FlushReport:
-    """What became of the entries put since the previous flush, each as (ns, tokens).
-
-    ``durable``: on disk (file and directory fsync'd); ``superseded``: dropped before they
-    were written, because an entry that covers them replaced them; ``failed``: the write
-    failed (the message says why; a later flush tries again while the entry is in RAM);
-    ``uploaded``: in the shared tier (present there counts)."""
-
-    durable: list = field(default_factory=list)
-    superseded: list = field(default_factory=list)
-    failed: list = field(default_factory=list)  # (ns, tokens, message)
-    uploaded: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
 
 
 def checkpoint_space(key: str, cache_ns: str) -> str:
@@ -75,14 +66,21 @@ def _checkpoint_space(header: dict) -> str:
 class PromptStore:
     """Saved prefixes of one model (its config fingerprint), tokenizer and cache scheme.
 
-    ``cap``: bytes of RAM the store may hold, entries and writes in flight together.
-    ``directory``: the disk tier; ``redis``: a Redis or Valkey URL (``redis://host:port/0``,
-    ``unix:///path/redis.sock``) or a ``redis.Redis`` client, for the shared tier.
-    ``scheme``: the cache scheme the caches are built with (entries of another never match).
-    ``block_tokens``: the block of the prefix index (the shared tier finds entries sharing
-    at least one whole block with a prompt). ``disk_cap``: bytes of files the disk tier may
-    keep (least recently used go first); None: no limit. ``retention``: which RAM entry goes
-    first, ``"lru"`` or ``"cost-size"`` (``retention.py``).
+    ``cap``: bytes of RAM the store may hold, entries and writes in flight together (an
+    upload to the shared tier may hold one entry more while it runs). ``directory``: the
+    disk tier; ``redis``: a Redis or Valkey URL (``redis://host:port/0``,
+    ``unix:///path/redis.sock``) or a ``redis.Redis`` client, for the shared tier, whose
+    entries are authenticated with ``secret`` (every namespace) or ``namespace_keys``
+    (``{ns: key}``, those namespaces only; ``trust.namespace_key``). ``scheme`` and
+    ``cache_options`` (``make_cache``'s, e.g. ``max_kv_size``): what the caches are built
+    with (entries of another never match). ``block_tokens``: the block of the prefix index
+    (the shared tier finds entries sharing at least one whole block with a prompt).
+    ``disk_cap``: bytes of files the disk tier may keep (least recently used go first);
+    None: no limit. ``retention``: which RAM entry goes first, ``"lru"`` or
+    ``"cost-size"`` (``retention.py``). ``redis_timeout``: of every Redis socket operation;
+    ``redis_budget``: what a take waits for Redis at most. ``log_limit``: entries the write
+    log lists between flushes (more are counted). ``close_timeout``: what ``close`` waits
+    for the writers at most.
     """
 
     def __init__(
@@ -94,6 +92,7 @@ class PromptStore:
         directory: str | None = None,
         redis=None,
         scheme: str = "",
+        cache_options: dict | None = None,
         block_tokens: int = 64,
         disk_cap: int | None = None,
         redis_prefix: str = "mlxkv",
@@ -102,43 +101,72 @@ class PromptStore:
         identity: dict | Identity | None = None,
         verify: bool = True,
         retention: str = "lru",
+        secret=None,
+        namespace_keys: dict | None = None,
+        redis_timeout: float = 2.0,
+        redis_budget: float = 0.5,
+        log_limit: int = 1024,
+        close_timeout: float = 30.0,
     ):
         if not isinstance(cap, int) or cap < 0:
             raise MLXKVError(f"cap must be a number of bytes >= 0, got {cap!r}")
         if not isinstance(block_tokens, int) or block_tokens < 1:
             raise MLXKVError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+        keys = Keys(secret, namespace_keys)
+        if redis is not None and not keys:
+            raise StoreTrustError(
+                "the shared tier needs the deployment's secret (secret=, or namespace_keys=): without it any "
+                "client of the Redis server could decide what this store serves (docs/store.md, Trust)"
+            )
+        if directory is not None:
+            check_directory(directory)
         self.model = model
         self._policy = retention_policy(retention)
         self._cap = cap
         self.block = block_tokens
         self.verify = verify
-        self.identity = self._identity(model, tokenizer, scheme, identity)
+        self.identity = self._identity(model, tokenizer, scheme_identity(scheme, cache_options), identity)
         self._cond = threading.Condition(threading.RLock())
-        self._ram = RamTier(block_tokens)
+        self._serial = itertools.count(1)
         self._seeds: dict[str, bytes] = {}
-        self._jobs: dict[str, Job] = {}  # entry key -> its latest write
-        self._log: dict[str, dict] = {}  # entry key -> what became of it since the last flush
-        self._failed: dict[str, Entry] = {}
-        self._removed: set[Job] = set()  # running writes of removed entries
-        self.stats = {"puts": 0, "hits": {"ram": 0, "disk": 0, "redis": 0}, "misses": 0, "reused_tokens": 0}
-        self._closed = False
-        self.disk_cap = disk_cap
+        self._ram = RamTier(block_tokens)
         self._disk = None
-        self.opened = OpenReport()
+        self._redis = None
+        self.opened = OpenReport()  # what opening the directory found
+        self.disk_cap = disk_cap
+        self.close_timeout = close_timeout
         if directory is not None:
             sid = identity_seed(self.identity, "", 0)[:8].hex()
             os.makedirs(directory, mode=0o700, exist_ok=True)
-            self._disk = DiskTier(os.path.join(directory, sid), self.identity, block_tokens, self._locate)
-            self.opened = self._disk.open()
-        self._redis = None
+            disk = DiskTier(os.path.join(directory, sid), self.identity, block_tokens, self._locate, self._cond)
+            disk.model, disk.verify = model, verify
+            self.opened = disk.open()
+            self._disk = disk
         if redis is not None:
             from .redis_tier import RedisTier
 
             self._redis = RedisTier(
-                redis, self.identity, block_tokens, prefix=redis_prefix, ttl=redis_ttl, piece_bytes=piece_bytes
+                redis,
+                self.identity,
+                block_tokens,
+                keys,
+                self._seed,
+                limit=cap,
+                prefix=redis_prefix,
+                ttl=redis_ttl,
+                piece_bytes=piece_bytes,
+                timeout=redis_timeout,
+                budget=redis_budget,
             )
-        lower = self._disk is not None or self._redis is not None
-        self._queue = WriteQueue(self._cond, self._run, self._done) if lower else None
+        self._lower: list[Tier] = [t for t in (self._disk, self._redis) if t is not None]
+        self._tiers: list[Tier] = [self._ram, *self._lower]
+        self._queues = {t.name: WriteQueue(t.name, self._cond, self._runner(t), self._recorder(t)) for t in self._lower}
+        self._jobs: dict[tuple[str, str], Job] = {}  # (tier, entry key) -> its latest write
+        self._log = WriteLog({t.name: t.durable for t in self._lower}, log_limit)
+        self._failed: dict[tuple[str, str], int] = {}  # (tier, key) -> serial of the put whose write failed
+        self._removed: set[Job] = set()  # running disk writes of removed entries
+        self._counts = {"puts": 0, "misses": 0, "reused_tokens": 0}
+        self._closed = False
 
     @staticmethod
     def _identity(model, tokenizer, scheme, given) -> Identity:
@@ -191,6 +219,8 @@ class PromptStore:
             raise MLXKVError(f"cap must be a number of bytes >= 0, got {value!r}")
         with self._cond:
             self._cap = value
+            if self._redis is not None:
+                self._redis.limit = value
             self._make_room(0, wait=True, strict=False)
 
     @property
@@ -210,8 +240,8 @@ class PromptStore:
 
     def shrink(self, *, n_bytes: int | None = None, n_entries: int | None = None) -> None:
         """Evict least recently used entries now (never pinned ones, never one still being
-        written) until at most ``n_bytes`` are held and ``n_entries`` are in RAM: room an
-        engine makes for its active caches. The cap is unchanged."""
+        written to disk) until at most ``n_bytes`` are held and ``n_entries`` are in RAM:
+        room an engine makes for its active caches. The cap is unchanged."""
         with self._cond:
             while (n_bytes is not None and self._held() > max(0, n_bytes)) or (
                 n_entries is not None and len(self._ram) > max(0, n_entries)
@@ -221,36 +251,56 @@ class PromptStore:
                     break
                 self._evict(victim)
 
-    def _queued_only(self) -> int:
-        if self._queue is None:
-            return 0
-        return sum(j.entry.nbytes for j in self._queue.pending() if self._ram.get(j.entry.key) is not j.entry)
+    def _held_by_writes(self, durable_only: bool = False) -> int:
+        """Bytes of entries that only a write still holds (RAM let them go)."""
+        seen, n = set(), 0
+        for name, q in self._queues.items():
+            if durable_only and not self._tier(name).durable:
+                continue
+            for j in q.pending():
+                e = j.entry
+                if id(e) not in seen and self._ram.get(e.key) is not e:
+                    seen.add(id(e))
+                    n += e.nbytes
+        return n
 
     def _held(self) -> int:
-        return self._ram.nbytes + self._queued_only()
+        return self._ram.nbytes + self._held_by_writes()
 
-    def _pending(self, entry: Entry) -> bool:
-        job = self._jobs.get(entry.key)
-        return job is not None and job.entry is entry and job.state in ("queued", "running")
+    def _tier(self, name: str) -> Tier:
+        return next(t for t in self._tiers if t.name == name)
+
+    def _writing_durably(self, entry: Entry) -> bool:
+        """Is a durable tier (the disk) still to write this entry? RAM keeps it until then."""
+        for t in self._lower:
+            job = self._jobs.get((t.name, entry.key))
+            if t.durable and job is not None and job.entry is entry and job.state in ("queued", "running"):
+                return True
+        return False
 
     def _victim(self) -> Entry | None:
-        """The entry the retention policy lets go first (never pinned, never being written)."""
-        return self._policy.victim([e for e in self._ram.entries() if not e.pinned and not self._pending(e)])
+        """The entry the retention policy lets go first (never pinned, never one the disk
+        has still to write)."""
+        return self._policy.victim([e for e in self._ram.entries() if not e.pinned and not self._writing_durably(e)])
 
     def _evict(self, entry: Entry) -> None:
         self._policy.on_evict(entry)
         self._drop(entry, "evicted")
 
     def _make_room(self, n: int, wait: bool, strict: bool = True) -> bool:
-        """Evict (least recently used first; never pinned, never an entry still being
-        written) until ``n`` more bytes fit under the cap. Waits for the writer when only
-        unwritten entries are left (``wait``); False if no room can be made."""
+        """Evict (by the retention policy; never pinned, never an entry the disk has still
+        to write) until ``n`` more bytes fit under the cap. Waits for the disk's writer when
+        only its unwritten entries are left (``wait``), never for the shared tier's: an
+        upload in flight may hold one entry beyond the cap. False if no room can be made."""
         while self._held() + n > self._cap:
             victim = self._victim()
             if victim is not None:
                 self._evict(victim)
                 continue
-            if wait and self._queue is not None and not self._queue.idle:
+            if self._ram.nbytes + self._held_by_writes(durable_only=True) + n <= self._cap:
+                return True  # the rest is held by a running upload: it ends by itself
+            durable = [q for name, q in self._queues.items() if self._tier(name).durable]
+            if wait and any(not q.idle for q in durable):
                 self._cond.wait()
                 continue
             if strict:
@@ -270,13 +320,16 @@ class PromptStore:
 
         An exact duplicate (same ns and tokens) is replaced; entries this one covers (a
         shorter prefix it can serve at least as well: it can trim, and its reuse floor is no
-        higher) are dropped; then the least recently used entries are evicted until it fits.
-        A pinned entry is never evicted nor dropped. Raises :class:`StoreCapacityError` when
-        the entry is larger than the cap or pinned entries leave no room for it."""
+        higher) are dropped; then entries are evicted until it fits. A pinned entry is never
+        evicted nor dropped. Raises :class:`StoreCapacityError` when the entry is larger
+        than the cap or pinned entries leave no room for it, :class:`StoreTrustError` when
+        the store has a shared tier but no key of ``ns``."""
         self._check_open()
         ns, tokens = self._check_ns(ns), self._tokens(tokens)
         if not tokens:
             raise MLXKVError("put needs the tokens the caches encode; got none")
+        if self._redis is not None:
+            self._redis.keys.require(ns)
         seed = self._seed(ns)
         entry = freeze(entry_id(seed, tokens), ns, caches, tokens, self.identity, ns, attachments=attachments)
         if entry.nbytes > self._cap:
@@ -286,7 +339,7 @@ class PromptStore:
             )
         with self._cond:
             self._admit(entry, block_chain(seed, tokens, self.block), pin)
-            self.stats["puts"] += 1
+            self._counts["puts"] += 1
 
     def put_checkpoint(self, session) -> None:
         """Store a generation checkpoint of ``session`` (its caches, tokens and sampling
@@ -314,12 +367,28 @@ class PromptStore:
                 self._drop(e, "superseded")
         self._make_room(entry.nbytes, wait=True)
         entry.pinned = pin
+        entry.serial = next(self._serial)
         self._ram.add(entry, chain)
         self._policy.on_put(entry)
-        self._log[entry.key] = {"entry": entry, "status": "volatile", "message": "", "uploaded": False}
-        if self._queue is not None:
-            self._jobs[entry.key] = self._queue.submit(Job(entry))
-            self._log[entry.key]["status"] = "queued"
+        tiers = [t for t in self._lower if t.durable or entry.checkpoint is None]  # checkpoints stay local
+        if not tiers:
+            return
+        self._log.start(entry.key, entry.ns, entry.tokens, entry.serial, [t.name for t in tiers])
+        for t in tiers:
+            self._submit(t, entry)
+
+    def _submit(self, tier: Tier, entry: Entry) -> None:
+        if not tier.durable and not tier.health.healthy:  # failing: not queued behind it
+            tier.health.skipped()
+            self._log.set(entry.key, entry.serial, tier.name, Outcome.FAILED, self._failure(tier, "is failing"))
+            self._failed[(tier.name, entry.key)] = entry.serial
+            return
+        self._jobs[(tier.name, entry.key)] = self._queues[tier.name].submit(Job(entry))
+
+    @staticmethod
+    def _failure(tier: Tier, what) -> str:
+        text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+        return text if tier.durable else f"shared tier: {text}"
 
     @staticmethod
     def _covered(new: Entry, entries) -> list[Entry]:
@@ -338,14 +407,18 @@ class PromptStore:
         return out
 
     def _drop(self, entry: Entry, why: str) -> None:
-        """Take ``entry`` out of RAM; a write of it that has not started is cancelled."""
+        """Take ``entry`` out of RAM; its writes that have not started are cancelled (an
+        evicted entry's upload: the disk keeps its entries in RAM until written)."""
         self._ram.remove(entry.key)
-        job = self._jobs.get(entry.key)
-        if job is not None and job.entry is entry and self._queue.cancel(job):
-            del self._jobs[entry.key]
-            log = self._log.get(entry.key)
-            if log is not None and log["entry"] is entry:
-                log["status"] = "superseded"
+        for t in self._lower:
+            job = self._jobs.get((t.name, entry.key))
+            if job is not None and job.entry is entry and self._queues[t.name].cancel(job):
+                del self._jobs[(t.name, entry.key)]
+                if why == "evicted":
+                    message = self._failure(t, "evicted from RAM before it could be written (the tier is slow)")
+                    self._log.set(entry.key, entry.serial, t.name, Outcome.FAILED, message)
+                else:
+                    self._log.set(entry.key, entry.serial, t.name, Outcome.SUPERSEDED)
         self._cond.notify_all()
 
     def pin(self, tokens, *, ns: str = "") -> None:
@@ -372,11 +445,12 @@ class PromptStore:
             if entry is not None:
                 self._drop(entry, "removed")
                 found = True
-            job = self._jobs.get(key)
-            if job is not None and job.state == "running":
-                self._removed.add(job)  # its file goes as soon as it lands
-            if self._disk is not None and self._disk.remove(key) is not None:
-                found = True
+            if self._disk is not None:
+                job = self._jobs.get(("disk", key))
+                if job is not None and job.state == "running":
+                    self._removed.add(job)  # its file goes as soon as it lands
+                if self._disk.remove(key) is not None:
+                    found = True
             return found
 
     # -- taking ----------------------------------------------------------------------------
@@ -384,69 +458,59 @@ class PromptStore:
     def take(self, prompt, *, ns: str = "") -> Hit | None:
         """The longest usable prefix of ``prompt`` over every tier, lent: the caches are new
         and yours; the stored entry stays whole. At least one prompt token is always left
-        to forward. None when no entry can serve the prompt."""
+        to forward. None when no entry can serve the prompt. A lower tier is asked only for
+        a strictly longer prefix than the tiers above it offer; a tier that is failing is
+        skipped (never waited on beyond its budget)."""
         self._check_open()
         ns, prompt = self._check_ns(ns), self._tokens(prompt)
         if len(prompt) < 2:
             return None
         seed = self._seed(ns)
-        chain = block_chain(seed, prompt, self.block)
+        query = Query(ns, prompt, block_chain(seed, prompt, self.block), seed)
+        best, p = None, 0
+        for tier in self._tiers:
+            if p >= len(prompt) - 1:
+                break
+            found = self._read(tier, query, p)
+            if found is not None:
+                best, p = found, found[1]
+        if best is None:
+            with self._cond:
+                self._counts["misses"] += 1
+            return None
+        entry, p, tier = best
         with self._cond:
-            entry, p = self._ram.find(ns, prompt, chain)
-            if entry is not None:
-                self._ram.touch(entry.key)
+            if tier is not self._ram:
+                self._promote(entry, block_chain(seed, entry.tokens, self.block))
+            if self._ram.get(entry.key) is entry:  # in RAM (or promoted): this lending counts
                 self._policy.on_lend(entry, p)
-        hit = None
-        if entry is not None:
-            hit = (entry, p, "ram")
-        while self._disk is not None and p < len(prompt) - 1:
-            with self._cond:
-                record, pd = self._disk.find(ns, prompt, chain)
-            if record is None or pd <= p:
-                break
-            loaded = self._read_disk(record)
-            if loaded is not None:
-                self._promote(loaded, chain)
-                hit, p = (loaded, pd, "disk"), pd
-                break
-        if self._redis is not None and p < len(prompt) - 1:
-            hit, p = self._take_shared(seed, prompt, chain, hit, p)
-        if hit is None:
-            self.stats["misses"] += 1
-            return None
-        source, p, tier = hit
-        if tier != "ram":
-            with self._cond:
-                if self._ram.get(source.key) is source:  # promoted: this lending counts
-                    self._policy.on_lend(source, p)
-        self.stats["hits"][tier] += 1
-        self.stats["reused_tokens"] += p
-        return Hit(source.lend(p), p, tier, source.header.get("attachments"))
+            self._counts["reused_tokens"] += p
+        tier.health.count("hits")
+        return Hit(entry.lend(p), p, tier.name, entry.header.get("attachments"))
 
-    def _take_shared(self, seed, prompt, chain, hit, p):
-        try:
-            manifest, raw, pr = self._redis.find(seed, prompt, chain, better_than=p)
-            if manifest is None:
-                return hit, p
-            eid = entry_id(seed, manifest["headerDoc"]["tokens"])
-            fetched = self._redis.fetch(seed, eid, manifest, raw)
-        except Exception:  # the shared tier is a cache: when it is down, it is a miss
-            return hit, p
-        if fetched is None:
-            return hit, p
-        self._promote(fetched, block_chain(seed, fetched.tokens, self.block))
-        return (fetched, pr, "redis"), pr
-
-    def _read_disk(self, record: Entry) -> Entry | None:
-        try:
-            return self._disk.read(record, self.model, verify=self.verify)
-        except SnapshotError:
-            with self._cond:
-                if self._disk.get(record.key) is record:
-                    self._disk.remove(record.key, delete=False)
-                    if os.path.exists(record.extra["path"]):
-                        self._disk.quarantine(record.extra["path"])
-            return None
+    def _read(self, tier: Tier, query: Query, better: int):
+        """(entry, p, tier) of ``tier``'s best prefix longer than ``better``, or None. A
+        local tier's damaged candidate is forgotten and the next one asked for; a shared
+        tier's failure (down, hung, past its budget) is a miss."""
+        for _ in range(READS_PER_TIER if tier.local else 1):
+            try:
+                if tier.local:
+                    with self._cond:
+                        found = tier.find(query, better)
+                else:
+                    found = tier.find(query, better)
+                if found is None or found.prefix_len <= better:
+                    return None
+                entry = tier.read(found)
+            except TierUnavailable:
+                return None
+            except Exception:
+                if tier.local:
+                    raise
+                return None  # counted and logged by the tier's breaker
+            if entry is not None:
+                return entry, found.prefix_len, tier
+        return None
 
     def _promote(self, entry: Entry, chain) -> None:
         """Keep an entry read from a lower tier in RAM, if it fits without waiting."""
@@ -488,7 +552,7 @@ class PromptStore:
                 found += [e for e in self._disk.entries() if matches(e)]
         found.sort(key=lambda e: -len(e.tokens))  # stable: RAM before disk on ties
         for e in found:
-            source = e if e.arrays is not None else self._read_disk(e)
+            source = e if e.arrays is not None else self._disk.read(Found(len(e.tokens), e))
             if source is None:
                 continue
             if e.arrays is None:
@@ -497,60 +561,67 @@ class PromptStore:
             return Session.resume(self.model, caches, source.header, where="prompt store", **resume)
         return None
 
-    # -- the writer ------------------------------------------------------------------------
+    # -- the writers -----------------------------------------------------------------------
 
-    def _run(self, job: Job) -> None:
-        """Write one entry to the lower tiers (the writer thread, without the lock)."""
-        entry = job.entry
-        if self._disk is not None:
-            try:
-                job.result["disk"] = self._disk.write(entry)
-            except Exception as e:
-                job.result["disk"] = e
-        if self._redis is not None and entry.checkpoint is None:
-            try:
-                seed = self._seed(entry.space)
-                job.result["redis"] = self._redis.upload(entry, seed, block_chain(seed, entry.tokens, self.block))
-            except Exception as e:
-                job.result["redis"] = e
+    def _runner(self, tier: Tier):
+        def run(job: Job):
+            """Write one entry to ``tier`` (its writer thread, without the lock)."""
+            from .redis_tier import Leased
 
-    def _done(self, job: Job) -> None:
-        """Record a finished write (the lock is held)."""
+            try:
+                return tier.write(job.entry)
+            except Leased as e:  # another process uploads it: look again when its lease ends
+                job.attempts += 1
+                if job.attempts > 8:
+                    raise MLXKVError(f"another process held the upload lease for {job.attempts} tries") from None
+                job.retry_at = time.monotonic() + e.retry_in
+                return None
+
+        return run
+
+    def _recorder(self, tier: Tier):
+        def done(job: Job) -> None:
+            """Record a finished write (the lock is held)."""
+            entry, name = job.entry, tier.name
+            if self._jobs.get((name, entry.key)) is job:
+                del self._jobs[(name, entry.key)]
+            if job.error is not None:
+                self._failed[(name, entry.key)] = entry.serial
+                if tier.durable:  # a breaker counts the failures of its own calls
+                    tier.health.failed(job.error)
+                self._log.set(entry.key, entry.serial, name, Outcome.FAILED, self._failure(tier, job.error))
+                return
+            if job.result is None:  # a lease another process still held when the store closed
+                message = self._failure(tier, "another process was uploading it when the store closed")
+                self._log.set(entry.key, entry.serial, name, Outcome.FAILED, message)
+                return
+            self._failed.pop((name, entry.key), None)
+            if tier is self._disk:
+                self._disk_written(job, job.result.record)
+            self._log.set(entry.key, entry.serial, name, Outcome.WRITTEN)
+
+        return done
+
+    def _disk_written(self, job: Job, record: Entry) -> None:
         entry = job.entry
-        if self._jobs.get(entry.key) is job:
-            del self._jobs[entry.key]
-        log = self._log.get(entry.key)
-        if log is not None and log["entry"] is not entry:
-            log = None  # a newer entry of the same key is logged
-        disk = job.result.get("disk")
-        if job.error is not None:
-            disk = job.error
-        if isinstance(disk, Entry) and job in self._removed:
+        if job in self._removed:  # removed while it was being written: its file goes now
             self._removed.discard(job)
             with contextlib.suppress(OSError):
-                os.unlink(disk.extra["path"])
-        elif isinstance(disk, Entry):
-            self._disk.add(disk)
-            self._failed.pop(entry.key, None)
-            # whatever this entry covers goes, now that its own file is in place
-            for e in self._covered(entry, self._disk.entries()):
-                ram = self._ram.get(e.key)
-                if ram is None or not ram.pinned:
-                    self._disk.remove(e.key)
-            self._limit_disk(entry.key)
-            if log is not None:
-                log["status"] = "durable"
-        elif isinstance(disk, BaseException):
-            self._failed[entry.key] = entry
-            if log is not None:
-                log["status"], log["message"] = "failed", f"{type(disk).__name__}: {disk}"
-        shared = job.result.get("redis")
-        if log is not None and shared in ("uploaded", "present"):
-            log["uploaded"] = True
-        elif log is not None and isinstance(shared, BaseException) and self._disk is None:
-            log["status"], log["message"] = "failed", f"shared tier: {type(shared).__name__}: {shared}"
+                os.unlink(record.extra["path"])
+            return
+        self._disk.add(record)
+        # whatever this entry covers goes, now that its own file is in place
+        for e in self._covered(entry, self._disk.entries()):
+            ram = self._ram.get(e.key)
+            if ram is None or not ram.pinned:
+                self._disk.remove(e.key)
+                self._log.written_away(e.key, "disk", Outcome.SUPERSEDED)
+        self._limit_disk(entry.key)
 
     def _limit_disk(self, keep: str) -> None:
+        """Remove least recently used files until the directory is under ``disk_cap``; an
+        entry written since the last flush and removed here is reported evicted, not
+        durable."""
         if self.disk_cap is None:
             return
         for record in self._disk.oldest_first():
@@ -559,42 +630,58 @@ class PromptStore:
             ram = self._ram.get(record.key)
             if record.key != keep and (ram is None or not ram.pinned):
                 self._disk.remove(record.key)
+                self._log.written_away(record.key, "disk", Outcome.EVICTED)
 
     def flush(self, timeout: float | None = None) -> FlushReport:
         """Wait until every queued write is done (retrying failed writes of entries still in
-        RAM); returns what became of the entries put since the previous flush."""
+        RAM, at most ``timeout`` seconds); returns what became of the entries put since the
+        previous flush."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if self._queue is not None:
-                for key, entry in list(self._failed.items()):
-                    if self._ram.get(key) is entry and key not in self._jobs:
-                        self._jobs[key] = self._queue.submit(Job(entry))
-                        self._log[key] = {"entry": entry, "status": "queued", "message": "", "uploaded": False}
-                    del self._failed[key]
-                self._queue.wait_idle(timeout)
-            report = FlushReport()
-            for log in self._log.values():
-                item = (log["entry"].ns, list(log["entry"].tokens))
-                if log["status"] == "durable":
-                    report.durable.append(item)
-                elif log["status"] == "superseded":
-                    report.superseded.append(item)
-                elif log["status"] == "failed":
-                    report.failed.append((*item, log["message"]))
-                if log["uploaded"]:
-                    report.uploaded.append(item)
-            self._log = {k: v for k, v in self._log.items() if v["status"] == "queued"}  # still running (timeout)
-            return report
+            self._retry_failed()
+            for q in self._queues.values():
+                q.wait_idle(deadline)
+            return self._log.report()
 
-    def close(self) -> None:
-        """Finish the queued writes and release the directory. Idempotent."""
+    def _retry_failed(self) -> None:
+        for (name, key), serial in list(self._failed.items()):
+            del self._failed[(name, key)]
+            entry = self._ram.get(key)
+            if entry is None or entry.serial != serial or (name, key) in self._jobs:
+                continue  # RAM let it go (or a newer put replaced it): nothing to write again
+            tier = self._tier(name)
+            if self._log.get(key, serial) is None:
+                self._log.start(key, entry.ns, entry.tokens, serial, [name])
+            self._log.set(key, serial, name, Outcome.QUEUED)
+            self._submit(tier, entry)
+
+    def close(self, timeout: float | None = None) -> FlushReport:
+        """Finish the queued writes, at most ``timeout`` seconds (default ``close_timeout``)
+        for all tiers together, each on its own writer; release the directory and the
+        tiers' threads. Writes not done by then are reported failed (a write a hung tier
+        still runs is abandoned to its daemon thread). Returns the last flush report;
+        idempotent (an empty report after the first)."""
+        timeout = self.close_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         with self._cond:
             if self._closed:
-                return
-            if self._queue is not None:
-                self._queue.close()
+                return FlushReport()
             self._closed = True
-        if self._disk is not None:
-            self._disk.close()
+            for name in sorted(self._queues, key=lambda n: not self._tier(n).durable):  # the disk first
+                for job in self._queues[name].close(deadline):
+                    self._jobs.pop((name, job.entry.key), None)
+                    message = self._failure(self._tier(name), f"not written: the store closed after {timeout:g} s")
+                    self._log.set(job.entry.key, job.entry.serial, name, Outcome.FAILED, message)
+            for name, q in self._queues.items():  # a write still running when the time ran out
+                for job in q.pending():
+                    message = self._failure(
+                        self._tier(name), f"still being written when the store closed after {timeout:g} s"
+                    )
+                    self._log.set(job.entry.key, job.entry.serial, name, Outcome.FAILED, message)
+            report = self._log.report()
+        for t in self._lower:
+            t.close()
+        return report
 
     def __enter__(self):
         return self
@@ -605,3 +692,41 @@ class PromptStore:
     def _check_open(self):
         if self._closed:
             raise MLXKVError("this PromptStore is closed")
+
+    # -- what an operator reads ------------------------------------------------------------
+
+    @property
+    def open_report(self) -> list[Opened]:
+        """Which tiers opened, where, and how many entries each found (a server's banner)."""
+        return [t.opened for t in self._tiers]
+
+    def counters(self) -> dict:
+        """The store's counters, for a server to publish: ``puts``, ``misses``,
+        ``reused_tokens``, and per tier (``tiers[name]``): ``hits``, ``failures``,
+        ``skipped`` (calls not made while it failed), ``refused`` (entries that failed a
+        check), ``writes``, ``bytes_read``, ``bytes_written``, ``healthy``,
+        ``last_error``, ``entries`` and ``bytes`` held (None where not known: the shared
+        tier), ``queued`` (writes waiting). Monotonic counts except ``entries``,
+        ``bytes``, ``queued`` and ``healthy``."""
+        with self._cond:
+            out = {**self._counts, "bytes": self._held(), "write_log": len(self._log), "tiers": {}}
+            for t in self._tiers:
+                c = t.health.snapshot()
+                c["entries"] = len(t) if t.local else None
+                c["bytes"] = t.nbytes if t.local else None
+                q = self._queues.get(t.name)
+                c["queued"] = len(q.pending()) if q is not None else 0
+                out["tiers"][t.name] = c
+            return out
+
+    @property
+    def stats(self) -> dict:
+        """``puts``, ``hits`` per tier, ``misses``, ``reused_tokens`` (``counters()`` has all)."""
+        c = self.counters()
+        hits = {name: t["hits"] for name, t in c["tiers"].items()}
+        return {
+            "puts": c["puts"],
+            "hits": {"ram": 0, "disk": 0, "redis": 0, **hits},
+            "misses": c["misses"],
+            "reused_tokens": c["reused_tokens"],
+        }
