@@ -56,14 +56,6 @@ MANIFEST_ERRORS = (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackEx
 _DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-class Leased(Exception):
-    """Another process holds the upload lease of this entry; try again in ``retry_in`` s."""
-
-    def __init__(self, retry_in: float):
-        super().__init__(f"another process is uploading this entry (lease ends in {retry_in:.1f} s)")
-        self.retry_in = retry_in
-
-
 def redacted(url: str) -> str:
     """A Redis URL without its password (for logs and the banner)."""
     if "@" in url and "://" in url:
@@ -164,8 +156,8 @@ class RedisTier(Tier):
     # -- writing (the tier's writer thread) -----------------------------------------------
 
     def _upload(self, entry: Entry, seed: bytes, chain: Sequence[bytes]) -> Written:
-        """Upload ``entry`` unless it is there; raises :class:`Leased` while another process
-        uploads it."""
+        """Upload ``entry`` unless it is there; while another process uploads it (holds its
+        lease), a ``Written`` that asks to be retried when the lease ends."""
         key = self.keys.require(entry.space)
         r = self.client
         mkey = self.manifest_key(seed, entry.key)
@@ -176,7 +168,7 @@ class RedisTier(Tier):
         lock = r.lock(self.lease_key(seed, entry.key), timeout=self.lease_seconds, blocking=False)
         if not lock.acquire(blocking=False):
             left = r.pttl(self.lease_key(seed, entry.key))
-            raise Leased(max(0.05, (left if left and left > 0 else lease_ms) / 1000))
+            return Written(retry_in=max(0.05, (left if left and left > 0 else lease_ms) / 1000))
         try:
             if r.exists(mkey):
                 return Written(present=True)

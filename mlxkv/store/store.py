@@ -38,6 +38,8 @@ CHECKPOINT_SPACE = "\0checkpoint:"
 #: how many candidates of one local tier a take reads before giving up on it (a damaged
 #: file is forgotten and the next asked for)
 READS_PER_TIER = 4
+#: how often a write waits out another process's upload lease before it is reported failed
+LEASE_TRIES = 8
 
 
 @dataclass
@@ -78,7 +80,8 @@ class PromptStore:
     ``disk_cap``: bytes of files the disk tier may keep (least recently used go first);
     None: no limit. ``retention``: which RAM entry goes first, ``"lru"`` or
     ``"cost-size"`` (``retention.py``). ``redis_timeout``: of every Redis socket operation;
-    ``redis_budget``: what a take waits for Redis at most. ``log_limit``: entries the write
+    ``redis_budget``: what a take waits for Redis at most; ``redis_lease``: how long an
+    upload's lease (and the keys of an unfinished upload) live. ``log_limit``: entries the write
     log lists between flushes (more are counted). ``close_timeout``: what ``close`` waits
     for the writers at most.
     """
@@ -105,6 +108,7 @@ class PromptStore:
         namespace_keys: dict | None = None,
         redis_timeout: float = 2.0,
         redis_budget: float = 0.5,
+        redis_lease: float = 30.0,
         log_limit: int = 1024,
         close_timeout: float = 30.0,
     ):
@@ -157,6 +161,7 @@ class PromptStore:
                 piece_bytes=piece_bytes,
                 timeout=redis_timeout,
                 budget=redis_budget,
+                lease_seconds=redis_lease,
             )
         self._lower: list[Tier] = [t for t in (self._disk, self._redis) if t is not None]
         self._tiers: list[Tier] = [self._ram, *self._lower]
@@ -566,16 +571,14 @@ class PromptStore:
     def _runner(self, tier: Tier):
         def run(job: Job):
             """Write one entry to ``tier`` (its writer thread, without the lock)."""
-            from .redis_tier import Leased
-
-            try:
-                return tier.write(job.entry)
-            except Leased as e:  # another process uploads it: look again when its lease ends
-                job.attempts += 1
-                if job.attempts > 8:
-                    raise MLXKVError(f"another process held the upload lease for {job.attempts} tries") from None
-                job.retry_at = time.monotonic() + e.retry_in
-                return None
+            written = tier.write(job.entry)
+            if written.retry_in is None:
+                return written
+            job.attempts += 1  # another process uploads it: look again when its lease ends
+            if job.attempts > LEASE_TRIES:
+                raise MLXKVError(f"another process held the upload lease through {LEASE_TRIES} tries")
+            job.retry_at = time.monotonic() + written.retry_in
+            return None
 
         return run
 

@@ -45,9 +45,12 @@ class Found:
 @dataclass
 class Written:
     """A finished write: ``durable`` (on a device, fsync'd) or not; ``present`` when the tier
-    had the entry already; ``record``: what the tier indexes for it (the disk's file)."""
+    had the entry already; ``record``: what the tier indexes for it (the disk's file);
+    ``retry_in``: not written yet, ask again in that many seconds (another process holds the
+    upload's lease)."""
 
     durable: bool = False
+    retry_in: float | None = None
     present: bool = False
     record: Entry | None = None
     nbytes: int = 0

@@ -9,6 +9,7 @@ each way.
 """
 
 import enum
+from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ class Outcome(enum.Enum):
 @dataclass
 class WriteRecord:
     ns: str
-    tokens: list
+    tokens: array  # uint32: 4 bytes a token, not a list's 36
     serial: int  # the put that made the entry
     outcomes: dict = field(default_factory=dict)  # tier name -> Outcome
     messages: dict = field(default_factory=dict)  # tier name -> why it failed
@@ -70,7 +71,7 @@ class WriteLog:
         return len(self._records)
 
     def start(self, key: str, ns: str, tokens: list, serial: int, tiers) -> WriteRecord:
-        record = WriteRecord(ns, tokens, serial, dict.fromkeys(tiers, Outcome.QUEUED))
+        record = WriteRecord(ns, array("I", tokens), serial, dict.fromkeys(tiers, Outcome.QUEUED))
         self._records.pop(key, None)
         self._records[key] = record
         if len(self._records) > self.limit:
