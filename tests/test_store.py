@@ -306,3 +306,111 @@ def test_cost_size_retention_keeps_an_often_reused_prefix(models):
     assert kept == {"lru": False, "cost-size": True}
     with pytest.raises(mlxkv.MLXKVError, match="retention must be one of"):
         _store(model, retention="fifo")
+
+
+# -- the prefix index: the longest usable prefix, at the cost of the prompt ---------------
+
+
+def _brute_best(entries, prompt_tokens, better=0):
+    from mlxkv.state.reuse import prefix_for
+
+    best = better
+    for tokens, reuse in entries.values():
+        p = prefix_for(tokens, reuse, prompt_tokens)
+        if p is not None and p > best:
+            best = p
+    return best
+
+
+def test_the_index_finds_what_comparing_every_entry_finds():
+    """Random entries over a tiny vocabulary (long shared prefixes, many ties), some that
+    cannot trim, some with a floor: the index's answer equals the exhaustive one."""
+    from mlxkv.state.reuse import Reuse
+    from mlxkv.store.index import PrefixIndex
+    from mlxkv.store.keys import block_chain
+
+    rng = random.Random(7)
+    block, seed = 4, b"\0" * 32
+    for _ in range(30):
+        index, entries = PrefixIndex(block), {}
+        base = [rng.randrange(3) for _ in range(40)]
+        for k in range(rng.randrange(1, 40)):
+            n = rng.randrange(1, 40)
+            tokens = base[: rng.randrange(n + 1)] + [rng.randrange(3) for _ in range(n)]
+            reuse = Reuse(rng.choice([0, 0, 3, 9]), rng.random() < 0.7)
+            key = f"{k:04d}"
+            entries[key] = (tokens, reuse)
+            index.add(key, "", tokens, block_chain(seed, tokens, block))
+        for key in rng.sample(sorted(entries), len(entries) // 4):
+            index.remove(key)
+            del entries[key]
+        for _ in range(20):
+            q = base[: rng.randrange(41)] + [rng.randrange(3) for _ in range(rng.randrange(8))]
+
+            def usable(key, p, entries=entries):
+                tokens, reuse = entries[key]
+                return p >= max(reuse.floor, 1) and (p == len(tokens) or reuse.trimmable)
+
+            key, p = index.best("", q, block_chain(seed, q, block), usable)
+            assert p == _brute_best(entries, q), (q, p)
+            if key is not None:
+                assert usable(key, p)
+
+
+def test_a_lookup_visits_a_few_entries_however_many_share_its_first_token():
+    """40,000 entries starting with the same token, a prompt sharing less than one block with
+    them: the index asks about a handful of them, not all."""
+    from mlxkv.store.index import PrefixIndex
+    from mlxkv.store.keys import block_chain
+
+    index, seed = PrefixIndex(64), b"\0" * 32
+    for k in range(40_000):
+        tokens = [7, 10 + k % 60_000, 10 + k // 60_000]
+        index.add(f"{k:05d}", "", tokens, block_chain(seed, tokens, 64))
+    asked = []
+
+    def usable(key, p):
+        asked.append(key)
+        return True
+
+    key, p = index.best("", [7, 5, 5, 5], [], usable)
+    assert p == 1 and len(asked) == 1
+    asked.clear()
+    key, p = index.best("", [7, 10 + 1234, 10, 3], [], usable)
+    assert p == 3 and key == "01234" and len(asked) == 1
+
+
+def test_cache_options_are_part_of_the_identity(models, tmp_path):
+    """Two stores on one directory, differing only in max_kv_size (mlx serve's
+    --max-kv-size), never serve each other's entries; equal options do."""
+    model = models("llama")
+    tokens = prompt(40, seed=1)
+    ring = _store(model, directory=str(tmp_path), scheme="bf16", cache_options={"max_kv_size": 64})
+    ring.put(tokens, build(model, "bf16", {"max_kv_size": 64}, tokens, 40))
+    ring.close()
+    plain = _store(model, directory=str(tmp_path), scheme="bf16")
+    assert plain.opened.indexed == 0 and plain.take(tokens + [1]) is None
+    plain.close()
+    again = _store(model, directory=str(tmp_path), scheme="bf16", cache_options={"max_kv_size": 64})
+    assert again.take(tokens + [1]).prefix_len == 40
+    assert again.identity["kvScheme"] == "bf16+max_kv_size=64"
+    again.close()
+
+
+def test_the_open_report_and_counters_say_what_the_store_holds(models, tmp_path):
+    model = models("llama")
+    tokens = prompt(40, seed=1)
+    with _store(model, directory=str(tmp_path)) as s:
+        s.put(tokens, build(model, "bf16", {}, tokens, 40))
+        s.flush()
+    with _store(model, directory=str(tmp_path)) as s:
+        ram, disk = s.open_report
+        assert (ram.tier, disk.tier, disk.entries) == ("ram", "disk", 1) and disk.where.startswith(str(tmp_path))
+        assert "1 entries" in disk.line()
+        assert s.take(tokens + [1]).tier == "disk"
+        assert s.take(tokens + [1]).tier == "ram"
+        assert s.take(prompt(40, seed=9)) is None
+        c = s.counters()
+        assert c["misses"] == 1 and c["tiers"]["disk"]["hits"] == 1 and c["tiers"]["ram"]["hits"] == 1
+        assert c["tiers"]["ram"]["entries"] == 1 and c["tiers"]["disk"]["entries"] == 1
+        assert c["tiers"]["disk"]["bytes_read"] >= 40 * 2048 and c["tiers"]["disk"]["healthy"]

@@ -11,11 +11,11 @@ import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from helpers import data_start, flip_bit, rewrite_header
 from store_helpers import build, continuation, forward
 
-from mlxkv import PromptStore, Sampler, Session, request_key
-from mlxkv.formats.mlxkv_header import FORMAT_VERSION
+from mlxkv import MLXKVError, PromptStore, Sampler, Session, StoreTrustError, request_key
 from mlxkv.models.seeded import prompt, tokenizer
 
 CAP = 64 << 20
@@ -388,3 +388,128 @@ def test_remove_forgets_an_entry_in_every_tier(models, tmp_path):
         s.flush()
         assert s.take(a + [1]) is None and s.take(b + [1]) is None and _files(s) == []
         assert not s.remove(a)
+
+
+# -- in operation: a cap that drops files, a full file system, the log's bound, trust -------
+
+
+def _entry_objects():
+    import gc
+
+    from mlxkv.store.entry import Entry
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, Entry) and o.arrays is not None]
+
+
+def test_flush_reports_durable_only_what_the_disk_cap_kept(models, tmp_path):
+    """Five entries into a directory capped at two: the flush lists as durable exactly the
+    files that are there, the others as evicted."""
+    model = models("llama")
+    entries = [prompt(40, seed=s) for s in range(5)]
+    with _open(model, tmp_path, disk_cap=2 * (40 * PER_TOKEN + 4096)) as s:
+        for t in entries:
+            _put(s, model, t)
+        report = s.flush()
+        on_disk = {tuple(e.tokens) for e in s._disk.entries()}
+        assert len(_files(s)) == 2
+    assert {tuple(t) for _, t in report.durable} == on_disk
+    assert {tuple(t) for _, t in report.evicted} == {tuple(t) for t in entries} - on_disk
+
+
+def test_a_store_never_flushed_keeps_no_entry_alive_beyond_its_cap(models, tmp_path):
+    """The server never flushes: after many puts, the only entries alive are the ones in RAM
+    (and a write in flight), and the write log lists at most log_limit of them; a flush
+    still counts every one."""
+    model = models("llama")
+    caches = build(model, "bf16", {}, prompt(40, seed=1), 40)
+    per_entry = 40 * PER_TOKEN
+    with _open(model, tmp_path, cap=3 * per_entry, log_limit=8) as s:
+        for i in range(40):
+            s.put(prompt(40, seed=100 + i), caches)
+        for q in s._queues.values():
+            with s._cond:
+                q.wait_idle()
+        assert len(_entry_objects()) <= len(s) + 1 <= 4
+        assert len(s._log) <= 8 and s.nbytes <= s.cap
+        report = s.flush()
+        assert len(report.durable) + report.unlisted["durable"] == 40 and not report.failed
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs: a file system that fills up (the tests run as root on CI, as here)."""
+    import subprocess
+
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"cannot mount a 2 MiB tmpfs (the full-disk tests need root): {out.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_file_system_is_reported_logged_and_nothing_reported_durable_is_lost(models, small_fs, caplog):
+    """On a 2 MiB file system, entries of 200 KiB: the first ones are durable, the rest fail
+    with the file system's reason; one warning says the disk tier is failing; every entry
+    the flush reported durable is served after a restart, whole."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="mlxkv.store")
+    model = models("llama")
+    entries = [prompt(100, seed=s) for s in range(16)]
+    with _open(model, small_fs / "store") as s:
+        for t in entries:
+            _put(s, model, t)
+        report = s.flush()
+        counters = s.counters()["tiers"]["disk"]
+    assert report.durable and report.failed
+    assert all("No space" in m or "space" in m.lower() for *_, m in report.failed), report.failed[0][2]
+    assert len(report.durable) + len(report.failed) == 16
+    assert counters["failures"] >= len(report.failed) and not counters["healthy"]
+    failing = [r for r in caplog.records if "disk tier" in r.getMessage() and "failing" in r.getMessage()]
+    assert len(failing) == 1
+    with _open(model, small_fs / "store") as again:
+        assert again.opened.indexed == len(report.durable)
+        for _, t in report.durable:
+            hit = again.take(list(t) + [1])
+            assert hit is not None and hit.tier == "disk" and hit.prefix_len == 100
+
+
+def test_the_disk_tier_trusts_only_this_users_private_directories(models, tmp_path):
+    """A store directory other users may write is refused; an identity directory another
+    user owns is refused; a file another user owns, or a link, is never read."""
+    model = models("llama")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(StoreTrustError, match="other users"):
+        _open(model, shared)
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: others cannot replace this user's files
+    _open(model, shared).close()
+
+    d = tmp_path / "d"
+    a, b = prompt(40, seed=1), prompt(40, seed=2)
+    with _open(model, d) as s:
+        _put(s, model, a)
+        _put(s, model, b)
+        s.flush()
+        root = s._disk.root
+    name_a, name_b = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    os.chown(os.path.join(root, name_a), 65534, 65534)  # nobody's now
+    os.rename(os.path.join(root, name_b), str(tmp_path / "elsewhere.safetensors"))
+    os.symlink(str(tmp_path / "elsewhere.safetensors"), os.path.join(root, name_b))
+    with _open(model, d) as s:
+        assert s.opened.indexed == 0 and sorted(s.opened.untrusted) == sorted([name_a, name_b])
+        assert s.take(a + [1]) is None and s.take(b + [1]) is None
+    os.chown(root, 65534, 65534)
+    with pytest.raises(StoreTrustError, match="not a directory of this user"):
+        _open(model, d)
+
+
+def test_a_regular_file_as_the_store_directory_is_refused(models, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(MLXKVError, match="not a directory"):
+        _open(models("llama"), f)
