@@ -11,17 +11,27 @@
    Every contender is driven the way mlx-lm's server drives its prompt cache
    (fetch_nearest_cache, forward the rest, insert_cache).
 3. Redis vs disk: put (to durable / uploaded) and get (RAM emptied) throughput of one entry.
+4. Operations (``--parts ops``): a take's latency at 1k, 20k and 40k RAM entries sharing a
+   first token with a prompt that shares less than one block; the process's RSS over N
+   distinct puts with a disk tier and with Redis (4 MiB cap, never flushed, as a server);
+   a bystander's longest gap between decode steps while Redis is stopped (SIGSTOP) for 8 s
+   (one generation thread, a new request through the store every 10 steps, as mlx-lm's
+   server has).
 
 Timings are medians over interleaved repeats with their min-max spread.
 
 Usage: python -m benchmarks.store [--sizes 512,2048,8192] [--repeats 3] [--convs 40
-       --turns 5 --systems 4 --cap-mib 8] [--entry-mib 32] [--skip-redis] [--json FILE]
+       --turns 5 --systems 4 --cap-mib 8] [--entry-mib 32] [--puts 200] [--skip-redis]
+       [--parts restore,chat,throughput,ops] [--json FILE]
 """
 
 import argparse
+import gc
 import os
 import random
 import shutil
+import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -33,6 +43,8 @@ import mlxkv
 from benchmarks.common import summary, timed, write_result
 from mlxkv.models.seeded import build_model, prompt, tokenizer
 from mlxkv.store import StorePromptCache
+
+SECRET = "benchmark-deployment-secret"  # the shared tier authenticates its entries with it
 
 
 class Redis:
@@ -90,7 +102,9 @@ def restore_vs_prefill(model, sizes, repeats, redis_url, work):
         tiers = {"ram": mlxkv.PromptStore(model, tokenizer(), cap=1 << 34)}
         tiers["disk"] = mlxkv.PromptStore(model, tokenizer(), cap=1 << 34, directory=os.path.join(work, f"d{n}"))
         if redis_url:
-            tiers["redis"] = mlxkv.PromptStore(model, tokenizer(), cap=1 << 34, redis=redis_url, block_tokens=256)
+            tiers["redis"] = mlxkv.PromptStore(
+                model, tokenizer(), cap=1 << 34, redis=redis_url, block_tokens=256, secret=SECRET
+            )
         for s in tiers.values():
             s.put(tokens, reference)
             s.flush()
@@ -273,7 +287,8 @@ def throughput(mib, repeats, redis_url, work):
         for tier in ("disk", "redis"):
             if tier == "redis" and not redis_url:
                 continue
-            kw = {"directory": os.path.join(work, f"tp{r}")} if tier == "disk" else {"redis": redis_url}
+            disk = {"directory": os.path.join(work, f"tp{r}")}
+            kw = disk if tier == "disk" else {"redis": redis_url, "secret": SECRET}
             store = mlxkv.PromptStore(None, cap=1 << 34, identity=ident, block_tokens=256, **kw)
             dt, _ = timed(lambda store=store, tokens=tokens: (store.put(tokens, caches), store.flush()))
             times[f"{tier} put"].append(dt)
@@ -302,6 +317,103 @@ def throughput(mib, repeats, redis_url, work):
     return out
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def take_latency(model, counts, repeats=21):
+    """Median (min-max) ms of a take among ``counts`` RAM entries sharing the prompt's first
+    token, the prompt sharing less than one block with them."""
+    caches = mlxkv.make_cache(model, "bf16")
+    mx.eval(model(mx.array([[7, 8, 9]]), cache=caches))
+    store = mlxkv.PromptStore(model, tokenizer(), cap=8 << 30)
+    out, n = {}, 0
+    for target in counts:
+        while n < target:
+            store.put([7, n % 60000 + 10, n // 60000 + 10], caches)
+            n += 1
+        ms = [timed(store.take, [7, 5, 5, 5, i])[0] * 1e3 for i in range(repeats)]
+        out[target] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)}
+        print(f"  take at {target:>6} entries: {out[target]['median_ms']:.3f} ms ({min(ms):.3f}-{max(ms):.3f})")
+    return out
+
+
+def rss_over_puts(model, n, tier, work, redis_url):
+    """RSS growth (MiB) after each quarter of ``n`` distinct 1.25 MiB puts, never flushed."""
+    caches = mlxkv.make_cache(model, "bf16")
+    base = prompt(640, seed=1)
+    mx.eval(model(mx.array([base]), cache=caches))
+    kw = {"directory": os.path.join(work, f"rss-{tier}")} if tier == "disk" else {"redis": redis_url, "secret": SECRET}
+    store = mlxkv.PromptStore(model, tokenizer(), cap=4 << 20, **kw)
+    gc.collect()
+    start, out = rss_mib(), []
+    for i in range(n):
+        store.put([i % 250, i // 250, *base[2:]], caches)
+        if (i + 1) % (n // 4) == 0:
+            time.sleep(0.5)  # the writers drain
+            gc.collect()
+            out.append({"puts": i + 1, "rss_mib": rss_mib() - start, "held_mib": store.nbytes / 2**20})
+    store.close()
+    print(f"  RSS over {n} puts ({tier}): " + ", ".join(f"+{o['rss_mib']:.0f} MiB at {o['puts']}" for o in out))
+    return out
+
+
+def bystander(model, work, freeze=8.0, disk=False):
+    """The longest gap (ms) between a bystander's decode steps while Redis is stopped for
+    ``freeze`` seconds, a new request through the store every 10 steps."""
+    redis = Redis()
+    kw = {"directory": os.path.join(work, "bystander")} if disk else {}
+    store = mlxkv.PromptStore(model, tokenizer(), cap=64 << 20, redis=redis.url, secret=SECRET, **kw)
+    caches = mlxkv.make_cache(model, "bf16")
+    mx.eval(model(mx.array([prompt(32, seed=3)]), cache=caches))
+    y = mx.array([[5]])
+    gaps, state = {"healthy": [], "frozen": []}, "healthy"
+    t0 = last = time.perf_counter()
+    i = 0
+    while time.perf_counter() - t0 < freeze + 6:
+        now = time.perf_counter() - t0
+        if state == "healthy" and 2 < now < 2 + freeze:
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            state = "frozen"
+        elif state == "frozen" and now >= 2 + freeze:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+            state = "after"
+        mx.eval(model(y, cache=caches))
+        t = time.perf_counter()
+        gaps["frozen" if state == "frozen" else "healthy"].append(t - last)
+        last, i = t, i + 1
+        if i % 10 == 0:
+            req = prompt(70, seed=100 + i)
+            t1 = time.perf_counter()
+            c = mlxkv.make_cache(model, "bf16")
+            mx.eval(model(mx.array([req]), cache=c))
+            last += time.perf_counter() - t1  # the request's own prefill is not the store's
+            store.take(req + [1])
+            store.put(req, c)
+    close = timed(store.close)[0]
+    redis.stop()
+    out = {k: {"p50_ms": statistics.median(v) * 1e3, "max_ms": max(v) * 1e3} for k, v in gaps.items()}
+    out["close_s"] = close
+    print(
+        f"  bystander{' (with disk)' if disk else ''}: longest gap {out['frozen']['max_ms']:.0f} ms with Redis "
+        f"stopped (p50 {out['frozen']['p50_ms']:.1f} ms), {out['healthy']['max_ms']:.0f} ms otherwise; "
+        f"close {close:.2f} s"
+    )
+    return out
+
+
+def operations(model, n_puts, redis_url, work):
+    out = {"rss": {"disk": rss_over_puts(model, n_puts, "disk", work, redis_url)}}  # first: a clean heap
+    if redis_url:
+        out["rss"]["redis"] = rss_over_puts(model, n_puts, "redis", work, redis_url)
+    out["take"] = take_latency(model, [1000, 20000, 40000])
+    if redis_url:
+        out["bystander"] = bystander(model, work)
+        out["bystander_disk"] = bystander(model, work, disk=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="512,2048,8192")
@@ -311,6 +423,7 @@ def main():
     ap.add_argument("--systems", type=int, default=4)
     ap.add_argument("--cap-mib", type=float, default=8.0)
     ap.add_argument("--entry-mib", type=int, default=32)
+    ap.add_argument("--puts", type=int, default=200)
     ap.add_argument("--skip-redis", action="store_true")
     ap.add_argument("--parts", default="restore,chat,throughput")
     ap.add_argument("--json", default=None)
@@ -331,6 +444,9 @@ def main():
         if "throughput" in parts:
             print("3. one entry: Redis vs disk")
             results["throughput"] = throughput(args.entry_mib, args.repeats, redis and redis.url, work)
+        if "ops" in parts:
+            print("4. operations: take latency, RSS over puts, a bystander with Redis stopped")
+            results["ops"] = operations(model, args.puts, redis and redis.url, work)
     finally:
         if redis is not None:
             redis.stop()
