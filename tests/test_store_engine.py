@@ -9,9 +9,9 @@ from mlx_lm.models.cache import LRUPromptCache
 from store_helpers import build
 
 import mlxkv
-from mlxkv import PromptStore
+from mlxkv import MLXKVError, PromptStore
 from mlxkv.models.seeded import prompt, tokenizer
-from mlxkv.store import StorePromptCache, generate, stream_generate
+from mlxkv.store import StoreOptions, StorePromptCache, generate, stream_generate
 
 CAP = 64 << 20
 
@@ -144,3 +144,34 @@ def test_adapter_batched_path_calls(models):
     big = prompt(300, seed=4)
     adapter.insert_cache(("m", None, None), big, build(model, "bf16", {}, big, 300))  # over the cap
     assert adapter.refused == 1
+
+
+def test_store_options_refuse_a_bad_flag_before_any_model_loads(tmp_path):
+    """What a server builds from its flags is checked when made: a directory that is a file,
+    a URL that is not Redis's, --redis without the deployment's secret."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(MLXKVError, match="not a directory"):
+        StoreOptions(cap=1 << 20, directory=str(f))
+    with pytest.raises(MLXKVError, match="URL"):
+        StoreOptions(cap=1 << 20, redis="not-a-url", secret="s" * 16)
+    with pytest.raises(MLXKVError, match="secret"):
+        StoreOptions(cap=1 << 20, redis="redis://127.0.0.1:1/0")
+    StoreOptions(cap=1 << 20, redis="redis://127.0.0.1:1/0", secret="s" * 16)  # nothing is sent yet
+
+
+def test_the_adapter_opens_its_store_when_the_model_loads(models, tmp_path):
+    """Until bind, a fetch misses and an insert is dropped; bind opens the store of the
+    model (its open report names the directory), close returns the last flush report."""
+    model = models("llama")
+    adapter = StorePromptCache(options=StoreOptions(cap=CAP, directory=str(tmp_path), scheme="bf16"))
+    tokens = prompt(30, seed=1)
+    adapter.insert_cache("m", tokens, build(model, "bf16", {}, tokens, 30))
+    assert adapter.fetch_nearest_cache("m", tokens + [1]) == (None, tokens + [1]) and adapter.counters() == {}
+    adapter.bind(model, tokenizer())
+    assert [o.tier for o in adapter.open_report] == ["ram", "disk"]
+    adapter.insert_cache("m", tokens, build(model, "bf16", {}, tokens, 30))
+    assert adapter.fetch_nearest_cache("m", tokens + [1])[1] == [1]
+    assert adapter.counters()["tiers"]["ram"]["hits"] == 1
+    report = adapter.close()
+    assert [len(t) for _, t in report.durable] == [30] and adapter.fetch_nearest_cache("m", tokens)[0] is None

@@ -267,6 +267,20 @@ def test_the_layout_reads_back_without_mlxkv(models, server, r):
         piece = r.get(f"mlxkv:{space}:p:{eid.decode()}:{manifest['upload']}:{i}")
         assert len(piece) == nbytes and zlib.crc32(piece) == crc
         data[name] = data.get(name, b"") + piece
+    # the entry's HMAC (docs/store.md, Trust): the namespace key, then every field length-prefixed
+    import hmac
+
+    def field(b):
+        return len(b).to_bytes(8, "little") + b
+
+    ns_key = hmac.new(SECRET.encode(), b"mlxkv-store-namespace-1\n" + b"", hashlib.sha256).digest()
+    mac = hmac.new(ns_key, b"mlxkv-store-entry-1\n", hashlib.sha256)
+    for text in (space, eid.decode(), manifest["upload"], manifest["header"]):
+        mac.update(field(text.encode()))
+    for i, (name, nbytes, _) in enumerate(manifest["pieces"]):
+        piece = r.get(f"mlxkv:{space}:p:{eid.decode()}:{manifest['upload']}:{i}")
+        mac.update(field(name.encode()) + nbytes.to_bytes(8, "little") + piece)
+    assert mac.hexdigest() == manifest["mac"]
     keys0 = header["caches"][0]["tensors"][0]
     assert keys0["dtype"] == "BF16" and f"{zlib.crc32(data[keys0['name']]):08x}" == keys0["crc32"]
     got = np.frombuffer(data[keys0["name"]], dtype="<u2").reshape(keys0["shape"])
