@@ -141,3 +141,43 @@ def test_the_command_writes_its_store_when_stopped(model_dir, loaded, tmp_path):
 def test_a_store_option_without_a_model_load_is_refused_cleanly(tmp_path):
     with pytest.raises(mlxkv.MLXKVError, match="cannot load the model"):
         start(options.parse(["--model", str(tmp_path / "missing"), "--port", "0", "--store", str(tmp_path / "s")]))
+
+
+def _stream_gaps(port, tokens, max_tokens):
+    """Seconds between the chunks of one streamed completion."""
+    import time
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    times = []
+    for line in response:
+        if line.startswith(b"data:") and b"[DONE]" not in line:
+            times.append(time.perf_counter())
+    conn.close()
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def test_a_hung_redis_does_not_stall_a_bystanders_stream(model_dir, redis_server, tmp_path):
+    """Redis stopped (SIGSTOP) under a running server: requests arriving while a bystander
+    streams each look Redis up from the one generation thread; the first waits the read
+    budget, the rest skip the hung tier, so the bystander's tokens keep coming and every
+    request is answered (before: each lookup waited the 10 s socket timeout)."""
+    redis_server.client().flushall()
+    a = serve(model_dir, "--store", str(tmp_path / "a"), "--redis", redis_server.url)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        gaps = []
+        bystander = threading.Thread(target=lambda: gaps.extend(_stream_gaps(a.server.port, prompt(20, seed=50), 60)))
+        bystander.start()
+        answers = [complete(a.server.port, prompt(70, seed=60 + i), max_tokens=2) for i in range(4)]
+        bystander.join(120)
+        assert len(answers) == 4 and len(gaps) >= 50
+        assert max(gaps) < 2.0, f"longest gap {max(gaps):.2f} s"
+        counters = a.server.prompt_cache.counters()
+        assert not counters["tiers"]["redis"]["healthy"] and counters["tiers"]["redis"]["skipped"] >= 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        a.stop()
