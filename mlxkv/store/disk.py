@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 
 from ..errors import FormatVersionError, MLXKVError, SnapshotError, StoreTrustError, UnknownKindError
 from ..io import temporaries
-from ..state.reuse import prefix_allowed, probe
+from ..state.reuse import probe
 from ..state.snapshot import read, read_header, write
 from .entry import Entry
 from .health import Health
-from .index import PrefixIndex
-from .tier import Found, Opened, Query, Tier, Written
+from .tier import Found, LocalTier, Opened, Written
 
 SUFFIX = ".safetensors"
 QUARANTINE = "quarantine"
@@ -94,7 +93,7 @@ def _private_directory(path: str) -> None:
     os.chmod(path, 0o700)  # an identity directory is private, whatever made it
 
 
-class DiskTier(Tier):
+class DiskTier(LocalTier):
     name = "disk"
     durable = True
 
@@ -102,14 +101,12 @@ class DiskTier(Tier):
         """``locate(header) -> (key, space, chain)``: the entry id, space and block chain a
         header's entry is filed under (the store derives them from the identity); ``lock``:
         the store's, held while the index changes."""
+        super().__init__(block)
         self.root = root
         self.identity = identity
         self._locate = locate
         self._lock = lock
         self.model, self.verify = model, verify
-        self._entries: dict[str, Entry] = {}
-        self._index = PrefixIndex(block)
-        self.nbytes = 0
         self._lock_fd = None
         self.health = Health("disk", root)
         self.opened = Opened("disk", root, 0)
@@ -219,46 +216,17 @@ class DiskTier(Tier):
 
     # -- the index ----------------------------------------------------------------------
 
-    def __len__(self):
-        return len(self._entries)
-
-    def __contains__(self, key):
-        return key in self._entries
-
-    def get(self, key) -> Entry | None:
-        return self._entries.get(key)
-
-    def entries(self) -> list[Entry]:
-        return list(self._entries.values())
-
     def add(self, record: Entry) -> None:
-        old = self._entries.pop(record.key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._entries[record.key] = record
-        self.nbytes += record.nbytes
-        if record.checkpoint is None:
-            _, _, chain = self._locate(record.header)
-            self._index.add(record.key, record.space, record.tokens, chain)
+        self._file(record, [] if record.checkpoint is not None else self._locate(record.header)[2])
 
     def remove(self, key, delete: bool = True) -> Entry | None:
-        record = self._entries.pop(key, None)
+        record = self._unfile(key)
         if record is None:
             return None
-        self.nbytes -= record.nbytes
-        self._index.remove(key)
         if delete:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(record.extra["path"])
         return record
-
-    def find(self, query: Query, better_than: int) -> Found | None:
-        def usable(key, p):
-            e = self._entries[key]
-            return prefix_allowed(len(e.tokens), e.reuse, p)
-
-        key, p = self._index.best(query.space, query.prompt, query.chain, usable, better_than)
-        return Found(p, self._entries[key]) if key is not None else None
 
     def read(self, found: Found) -> Entry | None:
         """The entry with its arrays, every checksum verified; None when its file turned out

@@ -7,34 +7,18 @@ writes still in flight).
 
 from collections.abc import Sequence
 
-from ..state.reuse import prefix_allowed
 from .entry import Entry
 from .health import Health
-from .index import PrefixIndex
-from .tier import Found, Opened, Query, Tier
+from .tier import Found, LocalTier, Opened
 
 
-class RamTier(Tier):
+class RamTier(LocalTier):
     name = "ram"
 
     def __init__(self, block: int):
-        self._entries: dict[str, Entry] = {}
-        self._index = PrefixIndex(block)  # prompt entries only: checkpoints are found by generation
-        self.nbytes = 0
+        super().__init__(block)
         self.health = Health("ram", "memory")
         self.opened = Opened("ram", "memory", 0)
-
-    def __len__(self):
-        return len(self._entries)
-
-    def __contains__(self, key):
-        return key in self._entries
-
-    def get(self, key) -> Entry | None:
-        return self._entries.get(key)
-
-    def entries(self) -> list[Entry]:
-        return list(self._entries.values())
 
     def oldest_first(self) -> list[Entry]:
         """Least recently used first (the retention policy's clock)."""
@@ -42,25 +26,10 @@ class RamTier(Tier):
 
     def add(self, entry: Entry, chain: Sequence[bytes]) -> None:
         assert entry.key not in self._entries
-        self._entries[entry.key] = entry
-        self.nbytes += entry.nbytes
-        if entry.checkpoint is None:
-            self._index.add(entry.key, entry.space, entry.tokens, chain)
+        self._file(entry, chain)
 
     def remove(self, key) -> Entry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
-            self._index.remove(key)
-        return entry
-
-    def find(self, query: Query, better_than: int) -> Found | None:
-        def usable(key, p):
-            e = self._entries[key]
-            return prefix_allowed(len(e.tokens), e.reuse, p)
-
-        key, p = self._index.best(query.space, query.prompt, query.chain, usable, better_than)
-        return Found(p, self._entries[key]) if key is not None else None
+        return self._unfile(key)
 
     def read(self, found: Found) -> Entry | None:
         return found.record

@@ -20,8 +20,10 @@ calls its ``find`` under its own lock (no I/O happens there).
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..state.reuse import prefix_allowed
 from .entry import Entry
 from .health import Health
+from .index import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -94,3 +96,49 @@ class Tier:
 
     def close(self) -> None:
         pass
+
+
+class LocalTier(Tier):
+    """A tier whose entries and prefix index live in this process (RAM; the disk's records
+    of its files). Checkpoints are kept but not indexed: they are found by generation."""
+
+    local = True
+
+    def __init__(self, block: int):
+        self._entries: dict[str, Entry] = {}
+        self._index = PrefixIndex(block)
+        self.nbytes = 0
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __contains__(self, key):
+        return key in self._entries
+
+    def get(self, key) -> Entry | None:
+        return self._entries.get(key)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def _file(self, entry: Entry, chain: Sequence[bytes]) -> None:
+        self._unfile(entry.key)
+        self._entries[entry.key] = entry
+        self.nbytes += entry.nbytes
+        if entry.checkpoint is None:
+            self._index.add(entry.key, entry.space, entry.tokens, chain)
+
+    def _unfile(self, key: str) -> Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+            self._index.remove(key)
+        return entry
+
+    def find(self, query: Query, better_than: int) -> Found | None:
+        def usable(key, p):
+            e = self._entries[key]
+            return prefix_allowed(len(e.tokens), e.reuse, p)
+
+        key, p = self._index.best(query.space, query.prompt, query.chain, usable, better_than)
+        return Found(p, self._entries[key]) if key is not None else None
