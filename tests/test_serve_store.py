@@ -181,3 +181,22 @@ def test_a_hung_redis_does_not_stall_a_bystanders_stream(model_dir, redis_server
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
         a.stop()
+
+
+def test_servers_differing_in_max_kv_size_never_serve_each_others_entries(model_dir, tmp_path):
+    """--max-kv-size makes rings: a server without it (or with another size) on the same
+    --store finds nothing of one with it; a restart with the same options finds its prefix."""
+    store = str(tmp_path / "s")
+    tokens = prompt(60, seed=70)
+    ring = serve(model_dir, "--store", store, "--max-kv-size", "128")
+    try:
+        assert complete(ring.server.port, tokens)[1] == 0
+    finally:
+        ring.stop()
+    for flags, found in (([], False), (["--max-kv-size", "256"], False), (["--max-kv-size", "128"], True)):
+        s = serve(model_dir, "--store", store, *flags)
+        try:
+            cached = complete(s.server.port, tokens + prompt(5, seed=71))[1]
+            assert (cached >= len(tokens)) == found, (flags, cached)
+        finally:
+            s.stop()
