@@ -192,18 +192,23 @@ class DiskTier(LocalTier):
         return self.identity.serves(header)
 
     def record(self, path: str, header: dict) -> Entry:
-        """The index record of a checked file (no tensor read)."""
-        key, space, _ = self._locate(header)
+        """The index record of a checked file (no tensor read). A prompt entry's record
+        keeps of its header only what the index and a take need (the file is read whole
+        when taken): a directory of 20k files is not 20k headers in memory."""
+        key, space, chain = self._locate(header)
         st = os.stat(path)
-        return Entry(
+        kept = header if header.get("generationCheckpoint") else {k: header[k] for k in RECORD_FIELDS if k in header}
+        record = Entry(
             key,
             space,
             list(header["tokens"]),
             probe(header),
             st.st_size,
-            header,
+            kept,
             extra={"path": path, "mtime": st.st_mtime},
         )
+        record.extra["chain"] = chain
+        return record
 
     def quarantine(self, path: str) -> None:
         qdir = os.path.join(self.root, QUARANTINE)
@@ -217,7 +222,8 @@ class DiskTier(LocalTier):
     # -- the index ----------------------------------------------------------------------
 
     def add(self, record: Entry) -> None:
-        self._file(record, [] if record.checkpoint is not None else self._locate(record.header)[2])
+        """Index a record made by :meth:`record`."""
+        self._file(record, record.extra.pop("chain"))
 
     def remove(self, key, delete: bool = True) -> Entry | None:
         record = self._unfile(key)
@@ -285,3 +291,8 @@ class DiskTier(LocalTier):
         nbytes = sum(a.nbytes for a in arrays.values())
         self.health.count("bytes_read", nbytes)
         return Entry(record.key, record.space, record.tokens, record.reuse, nbytes, header, arrays)
+
+
+IDENTITY_KEYS = ("configFingerprint", "tokenizerHash", "kvScheme")
+#: what a prompt entry's record keeps of its header
+RECORD_FIELDS = ("ns", "attachments", *IDENTITY_KEYS)
