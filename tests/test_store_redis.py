@@ -129,18 +129,20 @@ def test_a_manifest_without_pieces_or_with_a_damaged_piece_is_a_miss(models, ser
 
 
 def test_one_process_uploads_a_prefix(models, server, r):
-    """The lease: while another process holds it, put skips the upload; an entry already
-    there is not uploaded twice."""
+    """The lease: while another process holds it, the upload waits (on its writer) until the
+    lease ends, then finds the entry present or uploads it itself, so the entry is never
+    left neither uploaded nor failed; an entry already there is not uploaded twice."""
+    import time
+
     model = models("llama")
     tokens = prompt(40, seed=1)
     store = _store(model, server)
     seed = identity_seed(store.identity, "", BLOCK)
     lease = store._redis.lease_key(seed, entry_id(seed, tokens))
-    r.set(lease, "another-process", px=60_000)
-    assert _upload(model, server, tokens).uploaded == []
-    assert r.keys("*:m:*") == []
-    r.delete(lease)
+    r.set(lease, "another-process", px=1500)
+    t0 = time.monotonic()
     assert len(_upload(model, server, tokens).uploaded) == 1
+    assert time.monotonic() - t0 >= 1.0 and len(r.keys("*:m:*")) == 1
     pieces = set(r.keys("*:p:*"))
     assert len(_upload(model, server, tokens).uploaded) == 1  # present counts
     assert set(r.keys("*:p:*")) == pieces  # and nothing was uploaded again
