@@ -144,7 +144,21 @@ class RedisTier(Tier):
 
     def read(self, found: Found) -> Entry | None:
         manifest, raw, _, seed, eid = found.record
-        return self.health.call(self._fetch, seed, eid, manifest, raw)
+        data = self.health.call(self._fetch, seed, eid, manifest, raw)
+        if data is None:
+            return None
+        # the arrays are made here, on the caller's thread: the breaker's thread only talks
+        # to Redis and checks bytes (it never evaluates MLX arrays beside the model's thread)
+        header, buffers = manifest["headerDoc"], data
+        arrays = {}
+        for cache in header["caches"]:
+            for t in cache["tensors"]:
+                a = mx.array(buffers.pop(t["name"]))
+                arrays[t["name"]] = a.view(mx.bfloat16) if t["dtype"] == "BF16" else a
+        mx.eval(list(arrays.values()))
+        nbytes = sum(a.nbytes for a in arrays.values())
+        self.health.count("bytes_read", nbytes)
+        return Entry(eid, header.get("ns", ""), list(header["tokens"]), manifest["reuse"], nbytes, header, arrays)
 
     def write(self, entry: Entry) -> Written:
         seed = self._seed_of(entry.space)
@@ -338,10 +352,10 @@ class RedisTier(Tier):
         m["nbytes"] = total
         return m
 
-    def _fetch(self, seed: bytes, eid: str, manifest: dict, raw: bytes) -> Entry | None:
-        """The entry with its arrays, every piece, tensor and the HMAC verified; None (and the
-        manifest deleted when a piece is missing or damaged) otherwise. One tensor's pieces
-        are fetched at a time."""
+    def _fetch(self, seed: bytes, eid: str, manifest: dict, raw: bytes) -> dict | None:
+        """The entry's tensors as numpy arrays by name, every piece, tensor and the HMAC
+        verified; None (and the manifest deleted when a piece is missing or damaged)
+        otherwise. One tensor's pieces are fetched at a time."""
         header = manifest["headerDoc"]
         upload = manifest["upload"]
         ns_key = self.keys.key(header.get("ns", ""))
@@ -368,9 +382,8 @@ class RedisTier(Tier):
                     damaged = f"the bytes of {t['name']} do not match the header's crc32"
                 if damaged is not None:
                     break
-                mx_dtype, np_dtype = DTYPES[t["dtype"]]
-                a = mx.array(np.frombuffer(b"".join(got), dtype=np_dtype).reshape(t["shape"]))
-                arrays[t["name"]] = a.view(mx.bfloat16) if t["dtype"] == "BF16" else a
+                np_dtype = DTYPES[t["dtype"]][1]
+                arrays[t["name"]] = np.frombuffer(b"".join(got), dtype=np_dtype).reshape(t["shape"])
                 del got
             if damaged is not None:
                 break
@@ -384,7 +397,4 @@ class RedisTier(Tier):
         keys = [self.piece_key(seed, eid, upload, i) for i in range(len(manifest["pieces"]))]
         blocks = [self.block_key(seed, h) for h in block_chain(seed, header["tokens"], self.block)]
         self._expire([self.manifest_key(seed, eid), *keys, *blocks])  # read: another time to live
-        mx.eval(list(arrays.values()))
-        nbytes = sum(a.nbytes for a in arrays.values())
-        self.health.count("bytes_read", nbytes)
-        return Entry(eid, header.get("ns", ""), list(header["tokens"]), manifest["reuse"], nbytes, header, arrays)
+        return arrays
