@@ -393,13 +393,15 @@ def test_remove_forgets_an_entry_in_every_tier(models, tmp_path):
 # -- in operation: a cap that drops files, a full file system, the log's bound, trust -------
 
 
-def _entry_objects():
+def _entry_objects(tokens):
+    """The entries with arrays alive in this process whose tokens are among ``tokens``."""
     import gc
 
     from mlxkv.store.entry import Entry
 
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, Entry) and o.arrays is not None]
+    mine = {tuple(t) for t in tokens}
+    return [o for o in gc.get_objects() if isinstance(o, Entry) and o.arrays is not None and tuple(o.tokens) in mine]
 
 
 def test_flush_reports_durable_only_what_the_disk_cap_kept(models, tmp_path):
@@ -430,7 +432,7 @@ def test_a_store_never_flushed_keeps_no_entry_alive_beyond_its_cap(models, tmp_p
         for q in s._queues.values():
             with s._cond:
                 q.wait_idle()
-        assert len(_entry_objects()) <= len(s) + 1 <= 4
+        assert len(_entry_objects(prompt(40, seed=100 + i) for i in range(40))) <= len(s) + 1 <= 4
         assert len(s._log) <= 8 and s.nbytes <= s.cap
         report = s.flush()
         assert len(report.durable) + report.unlisted["durable"] == 40 and not report.failed
