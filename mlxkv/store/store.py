@@ -416,6 +416,8 @@ class PromptStore:
         evicted entry's upload: the disk keeps its entries in RAM until written)."""
         self._ram.remove(entry.key)
         for t in self._lower:
+            if self._failed.get((t.name, entry.key)) == entry.serial:
+                del self._failed[(t.name, entry.key)]  # a failed write is retried only from RAM
             job = self._jobs.get((t.name, entry.key))
             if job is not None and job.entry is entry and self._queues[t.name].cancel(job):
                 del self._jobs[(t.name, entry.key)]
