@@ -324,7 +324,8 @@ def _brute_best(entries, prompt_tokens, better=0):
 
 def test_the_index_finds_what_comparing_every_entry_finds():
     """Random entries over a tiny vocabulary (long shared prefixes, many ties), some that
-    cannot trim, some with a floor: the index's answer equals the exhaustive one."""
+    cannot trim, some with a floor: the index's answer equals the exhaustive one, and so do
+    the entries it names as prefixes of a prompt (what a put covers)."""
     from mlxkv.state.reuse import Reuse
     from mlxkv.store.index import PrefixIndex
     from mlxkv.store.keys import block_chain
@@ -355,6 +356,9 @@ def test_the_index_finds_what_comparing_every_entry_finds():
             assert p == _brute_best(entries, q), (q, p)
             if key is not None:
                 assert usable(key, p)
+            # what a put of q may cover: the entries that are prefixes of it
+            want = sorted(k for k, (t, _) in entries.items() if t == q[: len(t)])
+            assert sorted(index.prefixes("", q, block_chain(seed, q, block))) == want
 
 
 def test_a_lookup_visits_a_few_entries_however_many_share_its_first_token():

@@ -17,10 +17,10 @@ opened when the model loads, since its entries are keyed by the model's fingerpr
 tokenizer, scheme and cache options. Otherwise :class:`PromptCache`: mlx-lm's in-memory LRU
 with mlxkv's reuse rule (``mlxkv.state.reuse``): a stored entry serves a prompt from
 ``p = min(common prefix, len(prompt) - 1)`` only if ``p`` is not below any cache's
-``minimum_reusable_offset`` and, when ``p`` is short of the entry, every cache can trim. So a bf16-first cache is never cut below
-the position it converted at, and at least one prompt token is always left to forward (an
-exact hit is served one token short instead of handing mlx-lm's batch engine an empty
-prompt, which it refuses).
+``minimum_reusable_offset`` and, when ``p`` is short of the entry, every cache can trim. So
+a bf16-first cache is never cut below the position it converted at, and at least one prompt
+token is always left to forward (an exact hit is served one token short instead of handing
+mlx-lm's batch engine an empty prompt, which it refuses).
 """
 
 import copy

@@ -72,6 +72,28 @@ class PrefixIndex:
     def length(self, key: str) -> int:
         return self._filed[key][1]
 
+    def prefixes(self, space: str, tokens: Sequence[int], chain: Sequence[bytes]) -> list[str]:
+        """Keys of the entries whose tokens are a prefix of ``tokens`` (of any length up to
+        all of them): at each node along ``tokens``' chain, the entries whose next block is
+        exactly a head of ``tokens``' next block and that end there. At most ``block``
+        binary searches a node: what a put costs to find the entries it covers."""
+        raw = block_key(tokens)
+        step = 4 * self.block
+        out = []
+        for d, node in enumerate([("space", space), *chain]):
+            items = self._nodes.get(node)
+            if not items:
+                break  # an entry filed deeper is filed here too
+            q = raw[d * step : (d + 1) * step]
+            for j in range(1 if d == 0 else 0, min(len(q) // 4, self.block - 1) + 1):
+                head = q[: 4 * j]  # an entry ending after exactly d*B + j tokens has this next block
+                i = bisect.bisect_left(items, (head,))
+                while i < len(items) and items[i][0] == head:
+                    if self._filed[items[i][1]][1] == d * self.block + j:
+                        out.append(items[i][1])
+                    i += 1
+        return out
+
     def best(
         self, space: str, prompt: Sequence[int], chain: Sequence[bytes], usable: Callable[[str, int], bool], better=0
     ) -> tuple[str | None, int]:

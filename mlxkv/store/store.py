@@ -367,7 +367,7 @@ class PromptStore:
         if old is not None:
             pin = pin or old.pinned
             self._drop(old, "replaced")
-        for e in self._covered(entry, self._ram.entries()):
+        for e in self._covered(entry, self._shorter(self._ram, entry, chain)):
             if not e.pinned:
                 self._drop(e, "superseded")
         self._make_room(entry.nbytes, wait=True)
@@ -394,6 +394,15 @@ class PromptStore:
     def _failure(tier: Tier, what) -> str:
         text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
         return text if tier.durable else f"shared tier: {text}"
+
+    @staticmethod
+    def _shorter(tier, entry: Entry, chain) -> list[Entry]:
+        """The entries of a local tier that ``entry`` may cover: those whose tokens are a
+        prefix of its own, from the index (a put costs its prompt, not the entries); for a
+        checkpoint, the tier's checkpoints (they are not indexed)."""
+        if entry.checkpoint is not None:
+            return [e for e in tier.entries() if e.checkpoint is not None]
+        return tier.prefixes(entry, chain)
 
     @staticmethod
     def _covered(new: Entry, entries) -> list[Entry]:
@@ -614,9 +623,10 @@ class PromptStore:
             with contextlib.suppress(OSError):
                 os.unlink(record.extra["path"])
             return
+        chain = record.extra["chain"]
         self._disk.add(record)
         # whatever this entry covers goes, now that its own file is in place
-        for e in self._covered(entry, self._disk.entries()):
+        for e in self._covered(entry, self._shorter(self._disk, entry, chain)):
             ram = self._ram.get(e.key)
             if ram is None or not ram.pinned:
                 self._disk.remove(e.key)

@@ -135,6 +135,10 @@ class LocalTier(Tier):
             self._index.remove(key)
         return entry
 
+    def prefixes(self, entry: Entry, chain: Sequence[bytes]) -> list[Entry]:
+        """The indexed entries of ``entry``'s space whose tokens are a prefix of its own."""
+        return [self._entries[k] for k in self._index.prefixes(entry.space, entry.tokens, chain)]
+
     def find(self, query: Query, better_than: int) -> Found | None:
         def usable(key, p):
             e = self._entries[key]
