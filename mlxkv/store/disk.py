@@ -28,6 +28,7 @@ import fcntl
 import os
 import stat
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from ..errors import FormatVersionError, MLXKVError, SnapshotError, StoreTrustError, UnknownKindError
@@ -197,11 +198,15 @@ class DiskTier(LocalTier):
         when taken): a directory of 20k files is not 20k headers in memory."""
         key, space, chain = self._locate(header)
         st = os.stat(path)
-        kept = header if header.get("generationCheckpoint") else {k: header[k] for k in RECORD_FIELDS if k in header}
+        checkpoint = bool(header.get("generationCheckpoint"))
+        kept = header if checkpoint else {k: header[k] for k in RECORD_FIELDS if k in header}
+        # a prompt entry's tokens as uint32 (4 bytes a token, not a list's 36): the index
+        # and the reuse rule need their length and prefixes only
+        tokens = list(header["tokens"]) if checkpoint else array("I", header["tokens"])
         record = Entry(
             key,
             space,
-            list(header["tokens"]),
+            tokens,
             probe(header),
             st.st_size,
             kept,
@@ -283,14 +288,14 @@ class DiskTier(LocalTier):
             config_fingerprint=self.identity.config_fingerprint,
             tokenizer_hash=self.identity.tokenizer_hash,
         )
-        if header["tokens"] != record.tokens:
+        if header["tokens"] != list(record.tokens):
             raise SnapshotError(f"{path} changed since the store was opened")
         with contextlib.suppress(OSError):
             os.utime(path)  # the disk tier's least-recently-used order survives restarts
         record.extra["mtime"] = time.time()
         nbytes = sum(a.nbytes for a in arrays.values())
         self.health.count("bytes_read", nbytes)
-        return Entry(record.key, record.space, record.tokens, record.reuse, nbytes, header, arrays)
+        return Entry(record.key, record.space, list(header["tokens"]), record.reuse, nbytes, header, arrays)
 
 
 IDENTITY_KEYS = ("configFingerprint", "tokenizerHash", "kvScheme")

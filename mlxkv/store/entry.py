@@ -21,7 +21,7 @@ from ..state.snapshot import encode
 class Entry:
     key: str  # entry id: keys.entry_id(seed of its space, tokens)
     space: str  # what the id is seeded with: the namespace, or a checkpoint's generation
-    tokens: list[int]
+    tokens: list[int]  # a disk record's: array("I") (only its length and prefixes are asked)
     reuse: Reuse
     nbytes: int
     header: dict
