@@ -59,8 +59,6 @@ from .kinds.predicates import (
 from .session import Session, request_key, request_policy
 from .state.checkpoint import Checkpoint
 from .state.sampler import Sampler
-from .state.session import Session, request_key, request_policy
-from .state.snapshot import Snapshot, load, read_header, save, verify
 from .store import FlushReport, Hit, PromptStore
 
 __version__ = "0.1.0"

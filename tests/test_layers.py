@@ -19,8 +19,10 @@ LAYERS = [
     ("kind records", ("mlxkv.kinds",)),
     ("file I/O", ("mlxkv.io",)),
     ("state", ("mlxkv.state",)),
-    ("store", ("mlxkv.store",)),
-    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv.models.seeded", "mlxkv")),
+    ("file formats", ("mlxkv.formats",)),
+    ("sessions", ("mlxkv.session",)),
+    ("prompt store", ("mlxkv.store",)),
+    ("command line and server", ("mlxkv.cli", "mlxkv.serve", "mlxkv")),
 ]
 
 
@@ -87,4 +89,4 @@ def test_the_walk_sees_relative_and_function_level_imports(tmp_path):
     found = {t: n for n, t in imports_of(PACKAGE / "caches" / "base.py")}
     assert "mlxkv.caches.rows" in found  # `from .rows import merge_rows`, inside a method
     assert layer_of("mlxkv.formats.mlxkv") > layer_of("mlxkv.caches.base")
-    assert layer_of("mlxkv.state.store.store") > layer_of("mlxkv.session") > layer_of("mlxkv.state.identity")
+    assert layer_of("mlxkv.store.store") > layer_of("mlxkv.session") > layer_of("mlxkv.state.identity")

@@ -397,7 +397,7 @@ def test_cache_options_are_part_of_the_identity(models, tmp_path):
     plain.close()
     again = _store(model, directory=str(tmp_path), scheme="bf16", cache_options={"max_kv_size": 64})
     assert again.take(tokens + [1]).prefix_len == 40
-    assert again.identity["kvScheme"] == "bf16+max_kv_size=64"
+    assert again.identity.kv_scheme == "bf16+max_kv_size=64"
     again.close()
 
 

@@ -16,6 +16,7 @@ from helpers import data_start, flip_bit, rewrite_header
 from store_helpers import build, continuation, forward
 
 from mlxkv import MLXKVError, PromptStore, Sampler, Session, StoreTrustError, request_key
+from mlxkv.formats.mlxkv_header import FORMAT_VERSION
 from mlxkv.models.seeded import prompt, tokenizer
 
 CAP = 64 << 20

@@ -32,9 +32,11 @@ from array import array
 from dataclasses import dataclass, field
 
 from ..errors import FormatVersionError, MLXKVError, SnapshotError, StoreTrustError, UnknownKindError
+from ..formats.mlxkv import read, write
+from ..formats.table import read_header
 from ..io import temporaries
+from ..state.identity import FIELDS, SERVES, Identity
 from ..state.reuse import probe
-from ..state.snapshot import read, read_header, write
 from .entry import Entry
 from .health import Health
 from .tier import Found, LocalTier, Opened, Written
@@ -98,7 +100,7 @@ class DiskTier(LocalTier):
     name = "disk"
     durable = True
 
-    def __init__(self, root: str, identity: dict, block: int, locate, lock, model=None, verify: bool = True):
+    def __init__(self, root: str, identity: Identity, block: int, locate, lock, model=None, verify: bool = True):
         """``locate(header) -> (key, space, chain)``: the entry id, space and block chain a
         header's entry is filed under (the store derives them from the identity); ``lock``:
         the store's, held while the index changes."""
@@ -298,6 +300,5 @@ class DiskTier(LocalTier):
         return Entry(record.key, record.space, list(header["tokens"]), record.reuse, nbytes, header, arrays)
 
 
-IDENTITY_KEYS = ("configFingerprint", "tokenizerHash", "kvScheme")
 #: what a prompt entry's record keeps of its header
-RECORD_FIELDS = ("ns", "attachments", *IDENTITY_KEYS)
+RECORD_FIELDS = ("ns", "attachments", *(FIELDS[key] for key in SERVES))

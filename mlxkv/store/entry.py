@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..formats.mlxkv import encode
+from ..state.identity import Identity
 from ..state.reuse import Reuse, lend, reuse_of
-from ..state.snapshot import encode
 
 
 @dataclass(eq=False)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import MLXKVError
+from ..state.identity import Identity
 
 SEED_TAG = b"mlxkv-store-1\n"
 ID_BYTES = 16

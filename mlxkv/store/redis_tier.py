@@ -35,9 +35,10 @@ import numpy as np
 import redis
 
 from ..errors import MLXKVError, SnapshotError
+from ..formats.mlxkv_header import META_CRC_KEY, META_KEY, check_header
 from ..io.safetensors import DTYPES, SafetensorsHeader, TensorInfo, array_buffer, crc32, crc32_hex, dtype_name
+from ..state.identity import Identity
 from ..state.reuse import prefix_for, probe
-from ..state.snapshot import META_CRC_KEY, META_KEY, parse_header
 from .entry import Entry
 from .health import Breaker
 from .keys import block_chain, entry_id
@@ -330,10 +331,9 @@ class RedisTier(Tier):
             for t in cache.get("tensors", []):
                 tensors[t["name"]] = TensorInfo(t["name"], t["dtype"], list(t["shape"]), 0, 0)
         st = SafetensorsHeader("redis manifest", {META_KEY: text, META_CRC_KEY: m["headerCrc32"]}, tensors, 0, 0)
-        header = parse_header(st)
-        for k in ("configFingerprint", "tokenizerHash", "kvScheme"):
-            if header.get(k, "") != self.identity.get(k, ""):
-                raise SnapshotError("a manifest of another identity")
+        header = check_header(st)
+        if not self.identity.serves(header):
+            raise SnapshotError("a manifest of another identity")
         if space is not None and header.get("ns", "") != space:
             raise SnapshotError("a manifest of another namespace")
         sizes = {}

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..errors import MLXKVError, StoreCapacityError, StoreTrustError
 from ..state.checkpoint import read_checkpoint
-from ..state.identity import model_identity, tokenizer_hash
+from ..state.identity import Identity, model_identity
 from ..state.reuse import common_prefix, covers
 from .disk import DiskTier, OpenReport, check_directory
 from .entry import Entry, freeze
@@ -547,7 +547,7 @@ class PromptStore:
         namespace match, the checkpoint's prompt is as long as ``prompt_tokens``, and its
         tokens strictly extend them. ``resume``: ``Session.resume``'s sampler options, for a
         checkpoint that records no sampling state."""
-        from ..state.session import Session
+        from ..session import Session
 
         self._check_open()
         ns, prompt = self._check_ns(ns), self._tokens(prompt_tokens)
