@@ -26,9 +26,7 @@ text; the streaming detokenizer.
 
 import pytest
 import regex
-from real_models import GEMMA3, SMOLLM2, chat_prompt, gguf_metadata, loaded
-
-from mlxkv.models.fetch_model import gguf_file
+from real_models import GEMMA3, SMOLLM2, chat_prompt, gguf, loaded
 
 pytestmark = pytest.mark.real
 
@@ -50,7 +48,7 @@ TEXTS = [
 
 
 def _fields(name):
-    return gguf_metadata(gguf_file(name)).get
+    return gguf(name).metadata.get
 
 
 def _cut_at_specials(text, specials):

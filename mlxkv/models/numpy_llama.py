@@ -73,7 +73,12 @@ def rope_tables(length: int, head_dim: int, base: float):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def _rope(x, cos, sin):
+def _rope(x, cos, sin, traditional=False):
+    """Split-half RoPE (mlx-lm's default): dimension ``i`` turns with ``i + d/2``; traditional
+    (llama.cpp's GGUF layout): ``2i`` with ``2i + 1``."""
+    if traditional:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return np.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -93,21 +98,18 @@ def _silu(x):
 # -- the model --------------------------------------------------------------------------
 
 
-def loss_and_grads(
-    params: dict, cfg: dict, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, need_grads: bool = True
-):
-    """Weighted mean cross-entropy of ``targets`` given ``inputs`` ([B, T] ints), the
-    gradient of every parameter (None when ``need_grads`` is false), and per-token stats:
-    ``nll`` and ``hit`` (the target is the arg-max), both [B, T]."""
+def _forward(params: dict, cfg: dict, inputs: np.ndarray):
+    """The layers and the final norm: (normed hidden states [B, T, d], the norm's saved
+    values, each layer's saved values). ``cfg["rope_traditional"]`` turns RoPE's pairs as
+    llama.cpp's GGUF rows are laid out (forward only)."""
     B, T = inputs.shape
-    d, hq, hkv, dh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps, group = cfg["rms_norm_eps"], hq // hkv
+    hq, hkv, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, group, traditional = cfg["rms_norm_eps"], hq // hkv, cfg.get("rope_traditional", False)
     cos, sin = rope_tables(T, dh, cfg.get("rope_theta", 10000.0))
     scale = np.float32(dh**-0.5)
     causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-    emb = params["model.embed_tokens.weight"]
 
-    x = emb[inputs]  # [B, T, d]
+    x = params["model.embed_tokens.weight"][inputs]  # [B, T, d]
     tape = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -115,7 +117,7 @@ def loss_and_grads(
         q = (xn @ params[p + "self_attn.q_proj.weight"].T).reshape(B, T, hq, dh).transpose(0, 2, 1, 3)
         k = (xn @ params[p + "self_attn.k_proj.weight"].T).reshape(B, T, hkv, dh).transpose(0, 2, 1, 3)
         v = (xn @ params[p + "self_attn.v_proj.weight"].T).reshape(B, T, hkv, dh).transpose(0, 2, 1, 3)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = _rope(q, cos, sin, traditional), _rope(k, cos, sin, traditional)
         kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         s = q @ kr.transpose(0, 1, 3, 2) * scale + causal
         s = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -130,6 +132,29 @@ def loss_and_grads(
         x = h + a @ params[p + "mlp.down_proj.weight"].T
         tape.append((xn, s1, q, kr, vr, att, o, hn, s2, g, u, sg, sig, a))
     xf, sf = _rms(x, params["model.norm.weight"], eps)
+    return xf, sf, tape
+
+
+def logits(params: dict, cfg: dict, inputs: np.ndarray) -> np.ndarray:
+    """The logits [B, T, V] of ``inputs`` ([B, T] ints)."""
+    return _forward(params, cfg, inputs)[0] @ params["model.embed_tokens.weight"].T
+
+
+def loss_and_grads(
+    params: dict, cfg: dict, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, need_grads: bool = True
+):
+    """Weighted mean cross-entropy of ``targets`` given ``inputs`` ([B, T] ints), the
+    gradient of every parameter (None when ``need_grads`` is false), and per-token stats:
+    ``nll`` and ``hit`` (the target is the arg-max), both [B, T]."""
+    if need_grads and cfg.get("rope_traditional", False):
+        raise ValueError("the gradients are written for split-half RoPE")
+    B, T = inputs.shape
+    d, hq, hkv, dh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    group = hq // hkv
+    cos, sin = rope_tables(T, dh, cfg.get("rope_theta", 10000.0))
+    scale = np.float32(dh**-0.5)
+    emb = params["model.embed_tokens.weight"]
+    xf, sf, tape = _forward(params, cfg, inputs)
     logits = xf @ emb.T  # [B, T, V]
     logits = logits - logits.max(axis=-1, keepdims=True)
     lse = np.log(np.sum(np.exp(logits), axis=-1))

@@ -1,0 +1,7 @@
+"""``python -m mlxkv.cli``: the ``mlxkv`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""The small commands: ``inspect`` (a snapshot's header), ``verify`` (every checksum),
+``convert`` (mlx-lm prompt-cache files and snapshots between formats), ``fetch-model`` (a real
+model as an mlx-lm directory) and ``serve`` (mlx-lm's server on mlxkv caches)."""
+
+import os
+import signal
+import sys
+
+from .output import Progress, layers_by_kind, print_table
+
+
+def cmd_inspect(args) -> int:
+    from ..formats.table import describe
+
+    general, headers, rows = describe(args.file)  # one file, however the path is renamed over
+    width = max(len(k) for k, _ in general)
+    for k, v in general:
+        print(f"{k.ljust(width)}  {v}")
+    print()
+    print_table(headers, rows, out=sys.stdout)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from ..formats.table import verify
+
+    size = os.path.getsize(args.file) if os.path.exists(args.file) else 0
+    header = verify(args.file, progress=Progress("verifying"))
+    n = sum(len(e["tensors"]) for e in header["caches"])
+    fmt = f"mlx-bun format v{header['formatVersion']}, " if header.get("codecProvider") == "mlx-bun" else ""
+    print(f"ok: {args.file}: {fmt}{n} tensors in {len(header['caches'])} layers, {size} bytes, every checksum matches")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from ..formats.mlxlm import parse_tokens
+    from ..formats.table import convert
+    from ..state.identity import RECORDED
+
+    tokens = parse_tokens(args.tokens) if args.tokens is not None else None
+    identity = {k: getattr(args, k) for k in RECORDED if getattr(args, k) is not None}
+    header = convert(args.src, args.dst, to=args.to, tokens=tokens, progress=Progress("writing"), **identity)
+    kinds = [e["kind"] for e in header["caches"]]
+    print(
+        f"wrote {args.dst} ({args.to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
+        f"{len(header['tokens'])} tokens, {os.path.getsize(args.dst)} bytes"
+    )
+    return 0
+
+
+def cmd_fetch_model(args) -> int:
+    import logging
+
+    from ..models import fetch
+
+    logging.basicConfig(level=logging.INFO, format="mlxkv fetch-model: %(message)s", stream=sys.stderr)
+    print(fetch(args.name, out=args.out, dtype=args.dtype))
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    from ..serve.server import start
+
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    server = start(args)
+    print(f"mlxkv serve: {args.model} on {args.scheme} caches at http://{args.host}:{server.port}", file=sys.stderr)
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends as Ctrl-C does
+    server.serve_forever()
+    server.shutdown()  # the prompt store's queued writes are written first
+    # Everything is stopped and joined. Leave without interpreter finalization: MLX aborts
+    # there ("terminate called without an active exception") once a thread other than the
+    # main one has run MLX work, which mlx-lm's generation thread does (plain mlx_lm.server
+    # ends the same way on Ctrl-C).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,161 @@
+"""The converted models compute what their GGUF files say: logits of a fixed prompt from
+mlx-lm on the fetched directory against an independent numpy forward pass that reads the GGUF
+itself (tests/real_models.py reads the file; ``gguf.quants`` dequantizes), and greedy answers
+that are the expected facts.
+
+The numpy passes follow llama.cpp's conventions for the GGUF, not the converter's output, so a
+conversion step that is wrong shows:
+
+- SmolLM2 (llama): ``mlxkv.models.numpy_llama`` with traditional RoPE on the GGUF's query and
+  key rows as stored (the converter reorders them for mlx-lm's split-half RoPE instead);
+- Gemma 3: a numpy Gemma 3 written below from its published architecture, with the GGUF's norm
+  weights used as stored (they include the ``+ 1`` that the converter takes out for mlx-lm's
+  ``1 + w``), local layers (five of every six) with RoPE base 10,000 and global ones with the
+  file's 1,000,000. The prompt is shorter than the 512 window, so the window itself is not
+  exercised here (the ring tests are, tests/test_real_sessions.py). Its embedding scale is
+  ``sqrt(hidden_size)`` rounded to bfloat16, as the reference implementations compute it for
+  the bfloat16 checkpoint and mlx-lm does for every dtype.
+
+The tolerance is stated once: float32 and q4 (the GGUF's own blocks, float32 scales) against
+numpy float32; the arg-max agrees everywhere. bfloat16 is checked to be float32 rounded.
+"""
+
+import functools
+import math
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from real_models import GEMMA3, SMOLLM2, chat_prompt, gguf, loaded
+
+from mlxkv.models import fetch, numpy_llama
+
+pytestmark = pytest.mark.real
+
+#: max |logit difference| over every position and token, relative to the largest |logit|
+TOLERANCE = 2e-4
+PROMPT = "The rainbow has seven colours: red, orange, yellow"
+
+
+def _layers(g, arch):
+    return g.metadata[f"{arch}.block_count"]
+
+
+@functools.cache
+def numpy_smollm2(ids):
+    """SmolLM2's logits [T, V] from the GGUF with llama.cpp's interleaved RoPE."""
+    g = gguf(SMOLLM2)
+    m = g.metadata
+    cfg = {
+        "hidden_size": m["llama.embedding_length"],
+        "num_attention_heads": m["llama.attention.head_count"],
+        "num_key_value_heads": m["llama.attention.head_count_kv"],
+        "head_dim": m["llama.rope.dimension_count"],
+        "rms_norm_eps": m["llama.attention.layer_norm_rms_epsilon"],
+        "rope_theta": m["llama.rope.freq_base"],
+        "num_hidden_layers": _layers(g, "llama"),
+        "rope_traditional": True,
+    }
+    params = {"model.embed_tokens.weight": g.tensor("token_embd.weight")}
+    params["model.norm.weight"] = g.tensor("output_norm.weight")
+    names = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        for ours, theirs in names.items():
+            params[f"model.layers.{i}.{theirs}.weight"] = g.tensor(f"blk.{i}.{ours}.weight")
+    return numpy_llama.logits(params, cfg, np.array([list(ids)]))[0]
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope_split_half(x, base):
+    t, half = x.shape[-2], x.shape[-1] // 2
+    angle = np.arange(t, dtype=np.float32)[:, None] * base ** (-np.arange(half, dtype=np.float32) / half)
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@functools.cache
+def numpy_gemma3(ids):
+    """Gemma 3's logits [T, V] from the GGUF: embedding scaled by sqrt(d); per layer
+    pre-norm attention with per-head query/key norms, post-attention norm, pre- and post-
+    feed-forward norms around a GELU-gated MLP; scores scaled by head_dim ** -0.5; tied output."""
+    g = gguf(GEMMA3)
+    m = {k.removeprefix("gemma3."): v for k, v in g.metadata.items()}
+    d, dh, eps = m["embedding_length"], m["attention.key_length"], m["attention.layer_norm_rms_epsilon"]
+    heads, kv_heads = m["attention.head_count"], m["attention.head_count_kv"]
+    t = len(ids)
+    emb = g.tensor("token_embd.weight")
+    x = emb[list(ids)] * np.float32(mx.array(math.sqrt(d), mx.bfloat16).item())
+    causal = np.triu(np.full((t, t), -np.inf, np.float32), 1)
+    for i in range(_layers(g, "gemma3")):
+        w = lambda name, i=i: g.tensor(f"blk.{i}.{name}.weight")
+        base = 10000.0 if i % 6 < 5 else m["rope.freq_base"]
+        h = _rms(x, w("attn_norm"), eps)
+        q = _rms((h @ w("attn_q").T).reshape(t, heads, dh), w("attn_q_norm"), eps).transpose(1, 0, 2)
+        k = _rms((h @ w("attn_k").T).reshape(t, kv_heads, dh), w("attn_k_norm"), eps).transpose(1, 0, 2)
+        v = (h @ w("attn_v").T).reshape(t, kv_heads, dh).transpose(1, 0, 2)
+        q, k = _rope_split_half(q, base), _rope_split_half(k, base)
+        k, v = np.repeat(k, heads // kv_heads, 0), np.repeat(v, heads // kv_heads, 0)
+        s = q @ k.transpose(0, 2, 1) * np.float32(dh**-0.5) + causal
+        p = np.exp(s - s.max(-1, keepdims=True))
+        o = ((p / p.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, heads * dh)
+        x = x + _rms(o @ w("attn_output").T, w("post_attention_norm"), eps)
+        h = _rms(x, w("ffn_norm"), eps)
+        f = (_gelu_tanh(h @ w("ffn_gate").T) * (h @ w("ffn_up").T)) @ w("ffn_down").T
+        x = x + _rms(f, w("post_ffw_norm"), eps)
+    return _rms(x, g.tensor("output_norm.weight"), eps) @ emb.T
+
+
+@pytest.mark.parametrize(
+    "name,dtype,reference",
+    [(SMOLLM2, "float32", numpy_smollm2), (SMOLLM2, "q4", numpy_smollm2), (GEMMA3, "float32", numpy_gemma3)],
+)
+def test_logits_agree_with_an_independent_forward_pass_from_the_gguf(name, dtype, reference):
+    ids = tuple(loaded(name)[1].encode(PROMPT))
+    expected = reference(ids)
+    model, _ = loaded(name, dtype)
+    got = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    worst = float(np.abs(got - expected).max() / np.abs(expected).max())
+    assert worst <= TOLERANCE, f"{name} {dtype}: max |logit diff| / max |logit| = {worst:.2e}"
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_bfloat16_weights_are_the_float32_ones_rounded():
+    f32 = mx.load(str(fetch(SMOLLM2, dtype="float32") / "model.safetensors"))
+    bf16 = mx.load(str(fetch(SMOLLM2, dtype="bfloat16") / "model.safetensors"))
+    assert f32.keys() == bf16.keys()
+    for name, w in f32.items():
+        assert bf16[name].dtype == mx.bfloat16 and mx.array_equal(w.astype(mx.bfloat16), bf16[name]).item(), name
+
+
+FACTS = {  # SmolLM2-Instruct asked in its chat template; Gemma 3 270M (pretrained) continues text
+    SMOLLM2: [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4")],
+    GEMMA3: [("The capital of Japan is", "Tokyo"), ("Monday, Tuesday, Wednesday,", "Thursday")],
+}
+
+
+@pytest.mark.parametrize("name", [SMOLLM2, GEMMA3])
+def test_greedy_answers_are_the_expected_facts(name):
+    model, tokenizer = loaded(name)
+    for question, fact in FACTS[name]:
+        prompt = chat_prompt(tokenizer, question) if tokenizer.chat_template else question
+        answer = mlx_lm.generate(model, tokenizer, prompt, max_tokens=10)
+        assert fact.lower() in answer.lower(), (question, answer)
