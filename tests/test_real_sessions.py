@@ -45,6 +45,12 @@ def test_every_scheme_resumes_bit_identically_in_a_fresh_process(name, question)
         assert "30 kv:quant:4:64" in kinds and "30 kv:turboquant:8:3" in kinds
 
 
+#: a batched row attends a key axis padded to the batch's longest row, so float32 attention sums
+#: over a different length than the row alone does (the tokens are equal, the log-probabilities
+#: within this)
+LOGPROB_TOLERANCE = 1e-4
+
+
 def _text_tokens(tokenizer, n):
     """A deterministic text of at least ``n`` tokens (without the BOS)."""
     words = [f"Line {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 100} stones." for i in range(n)]
@@ -55,7 +61,8 @@ def _text_tokens(tokenizer, n):
 
 def test_batch_rows_on_wrapped_gemma_rings_equal_serial_rows():
     """Two rows continue one 520-token prefix (every local layer's 512 ring has wrapped) with
-    different tails, a third starts fresh (its rings far from full); all decode together."""
+    different tails, a third starts fresh (its rings far from full); all decode together.
+    Tokens equal the serial ones exactly, log-probabilities within LOGPROB_TOLERANCE."""
     model, tokenizer = loaded(GEMMA3)
     prefix = _text_tokens(tokenizer, 520)
     tail = lambda text: tokenizer.encode(text, add_special_tokens=False)
@@ -78,7 +85,8 @@ def test_batch_rows_on_wrapped_gemma_rings_equal_serial_rows():
         for r in responses:
             got[r.uid].append((r.token, r.logprobs))
     gen.close()
+    worst = []
     for row, (uid, want) in enumerate(zip(uids, expected)):
         assert [t for t, _ in got[uid]] == [t for t, _ in want], f"row {row}"
-        worst = max(float(mx.abs(a - b).max()) for (_, a), (_, b) in zip(got[uid], want))
-        assert worst == 0.0, f"row {row}: log-probabilities differ by {worst}"
+        worst.append(max(float(mx.abs(a - b).max()) for (_, a), (_, b) in zip(got[uid], want)))
+    assert max(worst) <= LOGPROB_TOLERANCE, f"log-probabilities differ by {worst} per row"

