@@ -146,8 +146,9 @@ def test_bfloat16_weights_are_the_float32_ones_rounded():
         assert bf16[name].dtype == mx.bfloat16 and mx.array_equal(w.astype(mx.bfloat16), bf16[name]).item(), name
 
 
-FACTS = {  # SmolLM2-Instruct asked in its chat template; Gemma 3 270M (pretrained) continues text
-    SMOLLM2: [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4")],
+FACTS = {  # SmolLM2-Instruct asked in its chat template (the capital of France: tests/test_real_serve.py);
+    # Gemma 3 270M (pretrained) continues text
+    SMOLLM2: [("What is 2 + 2?", "4")],
     GEMMA3: [("The capital of Japan is", "Tokyo"), ("Monday, Tuesday, Wednesday,", "Thursday")],
 }
 
