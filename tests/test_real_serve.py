@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from real_models import SMOLLM2, model_dir
@@ -66,17 +67,19 @@ def stop(proc):
 
 
 def test_mlxkv_serve_answers_a_chat_request_as_mlx_lm_server_does():
+    """Both servers run at once (one MLX thread each on two cores) and get the same request."""
     directory = model_dir(SMOLLM2)
-    theirs_proc, theirs_port = mlx_lm_server(directory)
+    procs = []
     try:
-        theirs = chat(theirs_port)
+        theirs_proc, theirs_port = mlx_lm_server(directory)
+        procs.append(theirs_proc)
+        ours_proc, ours_port = serve_process("--model", directory)
+        procs.append(ours_proc)
+        with ThreadPoolExecutor(2) as pool:
+            theirs, ours = pool.map(chat, (theirs_port, ours_port))
     finally:
-        stop(theirs_proc)
-    ours_proc, ours_port = serve_process("--model", directory)
-    try:
-        ours = chat(ours_port)
-    finally:
-        stop(ours_proc)
+        for proc in procs:
+            stop(proc)
     answer = ours["choices"][0]["message"]["content"]
     assert answer == theirs["choices"][0]["message"]["content"]
     assert "Paris" in answer
