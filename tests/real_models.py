@@ -2,9 +2,10 @@
 cache: ``.ci/run`` fetches them before the suite, and a test that finds them missing fetches
 them (a fetch that fails fails the test: nothing here skips).
 
-The tier runs in float32: on Linux CPUs MLX's float32 matrix products are the fastest of the
-dtypes without OpenBLAS (docs/models.md), and every claim the tier checks (bit-identical
-resumes, batch rows equal to serial ones, the converted tokenizer and weights) holds per dtype.
+The tier runs in float32: the dequantized weights exactly, which the numpy references compare
+against, and the dtype a developer with OpenBLAS preloaded runs fastest (without it bfloat16
+reads prompts faster, docs/models.md); every claim the tier checks (bit-identical resumes, batch
+rows equal to serial ones, the converted tokenizer and weights) holds per dtype.
 """
 
 import functools

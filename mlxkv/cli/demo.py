@@ -28,12 +28,6 @@ QUESTION = "Explain in a few sentences why the sky is blue."
 SLIDING_WARNING = ".*sliding-window layers stay.*"
 
 
-def default_dtype() -> str:
-    """The real-model demo's weights: float32 on Linux, where MLX's CPU float32 products are
-    several times faster than bfloat16 ones (docs/models.md); bfloat16 elsewhere."""
-    return "float32" if sys.platform.startswith("linux") else "bfloat16"
-
-
 def _scheme_available(scheme: str) -> bool:
     from ..caches.schemes import parse_scheme
     from ..errors import SchemeError
@@ -65,7 +59,7 @@ def _subjects(args) -> list[dict]:
     if args.model:
         from ..models import fetch
 
-        directory = str(fetch(args.model, dtype=args.dtype or default_dtype()))
+        directory = str(fetch(args.model, dtype=args.dtype))
         spec = {"dir": directory}
         _, tokenizer = _load(spec)
         question = args.question or QUESTION
@@ -262,7 +256,7 @@ def cmd_demo(args) -> int:
             table.append(cells)
             failures += failed
         if args.model:
-            print(f"mlxkv demo: {args.model} ({args.dtype or default_dtype()}), one chat turn per scheme")
+            print(f"mlxkv demo: {args.model} ({args.dtype}), one chat turn per scheme")
             _print_conversation(subjects[0], runs)
             what = f"{len(subjects[0]['prompt'])} prompt tokens"
         else:
@@ -294,7 +288,7 @@ def cmd_demo(args) -> int:
 def add_arguments(d) -> None:
     """The ``demo`` command's options."""
     d.add_argument("--model", help="a real model to fetch and run (smollm2-135m, gemma3-270m); default: seeded models")
-    d.add_argument("--dtype", help="the real model's weights (default: float32 on Linux, bfloat16 elsewhere)")
+    d.add_argument("--dtype", default="bfloat16", help="the real model's weights: float32, bfloat16 (default), q4")
     d.add_argument("--question", help=f"the real model's chat turn (default: {QUESTION!r})")
     d.add_argument("--quick", action="store_true", help="fewer schemes and tokens (for tests)")
     d.add_argument("--schemes", help="comma-separated schemes (default: the demo list)")
