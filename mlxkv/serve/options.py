@@ -1,16 +1,28 @@
 """The options of ``mlxkv serve``: mlx-lm's server options that make sense with mlxkv caches,
 plus the cache scheme; and the ones refused, with the reason.
 
-``mlx_lm_arguments(args)`` turns them into the namespace ``mlx_lm.server`` reads.
+``check_flags(args)`` refuses what cannot be served before anything loads (``mlxkv serve``
+exits with status 2); ``mlx_lm_arguments(args)`` turns them into the namespace
+``mlx_lm.server`` reads.
 """
 
 import argparse
 import json
+import os
+import re
+from urllib.parse import urlsplit
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.utils import _parse_size
+from redis.connection import parse_url
 
-from ..errors import SchemeError
+from ..caches.schemes import canonical_scheme
+from ..errors import MLXKVError
+
+
+class FlagError(MLXKVError):
+    """An option of ``mlxkv serve`` that cannot be served (found before the model loads)."""
+
 
 #: mlx-lm server options mlxkv serve refuses, and why (docs/serving.md)
 REFUSED = {
@@ -44,7 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--adapter-path")
-    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*")
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda x: [o for o in x.split(",") if o],
+        default=[],
+        help="comma-separated origins whose web pages may read the answers (CORS), '*' for any "
+        "(default: none, no CORS header is sent)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--chat-template", default="")
     p.add_argument("--use-default-chat-template", action="store_true")
@@ -85,10 +103,65 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def check_refused(args) -> None:
+def check_flags(args) -> None:
+    """Every option ``mlxkv serve`` must refuse, checked before the model loads: options
+    that would replace the caches, a scheme (and ``--max-kv-size``) that cannot be built, a
+    ``--store`` that is not a directory it can write, a ``--redis`` that is not a Redis URL,
+    counts that are not positive. Raises :class:`FlagError` saying which and why."""
     for name, why in REFUSED.items():
         if getattr(args, name, None) is not None:
-            raise SchemeError(why)
+            raise FlagError(why)
+    try:
+        canonical_scheme(args.scheme, **cache_options(args))
+    except MLXKVError as e:
+        raise FlagError(f"--scheme {args.scheme}: {e}") from e
+    for flag in ("max_context", "max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise FlagError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.prompt_cache_size < 0:
+        raise FlagError(f"--prompt-cache-size must be at least 0, got {args.prompt_cache_size}")
+    if args.store is not None:
+        check_store_directory(args.store)
+    if args.redis is not None:
+        check_redis_url(args.redis)
+
+
+def check_store_directory(path: str) -> None:
+    """``--store``: a directory this process can write, or one it can create."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FlagError(f"--store {path}: not a directory (give a directory for the disk tier's files)")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        raise FlagError(f"--store {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"--store {path}: {existing} is not writable by this process")
+
+
+def check_redis_url(url: str) -> None:
+    """``--redis``: a URL redis-py connects with (``redis://``, ``rediss://``, ``unix://``),
+    whose database, if any, is a number."""
+    try:
+        parsed = parse_url(url)
+    except ValueError as e:
+        raise FlagError(f"--redis {redact(url)}: {e} (for example redis://localhost:6379/0)") from e
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        if not parsed.get("path"):
+            raise FlagError(f"--redis {redact(url)}: a unix:// URL needs the socket's path (unix:///path/redis.sock)")
+    elif parts.path not in ("", "/") and not re.fullmatch(r"/\d+", parts.path):
+        raise FlagError(f"--redis {redact(url)}: the database must be a number (redis://host:6379/0)")
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for messages and the startup banner)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
 
 
 def cache_options(args) -> dict:
@@ -96,9 +169,14 @@ def cache_options(args) -> dict:
     return {} if args.max_kv_size is None else {"max_kv_size": args.max_kv_size}
 
 
+def store_scheme(args) -> str:
+    """What the prompt store keys its entries on: the canonical form of the scheme with every
+    option that changes what the caches hold (``mlxkv.caches.schemes.canonical_scheme``)."""
+    return canonical_scheme(args.scheme, **cache_options(args))
+
+
 def mlx_lm_arguments(args) -> argparse.Namespace:
     """The namespace ``mlx_lm.server`` reads (its ``cli_args``)."""
-    check_refused(args)
     return argparse.Namespace(
         model=args.model,
         adapter_path=args.adapter_path,
