@@ -39,7 +39,9 @@ REFUSED = {
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local model directory (or a Hugging Face repo id)")
-    p.add_argument("--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ...")
+    p.add_argument(
+        "--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ... (default: bf16)"
+    )
     p.add_argument("--max-kv-size", type=int, help="full-attention layers become rings of this many positions")
     p.add_argument(
         "--compiled",
@@ -53,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="refuse requests whose prompt plus max_tokens exceed this (default: the model's "
         "max_position_embeddings, if its config has one)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--adapter-path")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080; 0: any free port)")
+    p.add_argument("--adapter-path", help="LoRA adapter weights applied to the model (its own store namespace)")
     p.add_argument(
         "--allowed-origins",
         type=lambda x: [o for o in x.split(",") if o],
@@ -63,19 +65,26 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="comma-separated origins whose web pages may read the answers (CORS), '*' for any "
         "(default: none, no CORS header is sent)",
     )
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--chat-template", default="")
-    p.add_argument("--use-default-chat-template", action="store_true")
-    p.add_argument("--chat-template-args", type=_json_object, default="{}")
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--decode-concurrency", type=int, default=32, help="rows decoded together")
-    p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prompt-cache-size", type=int, default=10, help="prompt-cache entries kept in memory")
+    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the model's own code")
+    p.add_argument("--chat-template", default="", help="a chat template replacing the tokenizer's")
+    p.add_argument("--use-default-chat-template", action="store_true", help="the tokenizer's default template")
+    p.add_argument(
+        "--chat-template-args", type=_json_object, default="{}", help="JSON object of chat-template arguments"
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="default temperature of a request (default: 0, greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="default top_k of a request (default: 0, off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min_p of a request (default: 0, off)")
+    p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request (default: 512)")
+    p.add_argument("--decode-concurrency", type=int, default=32, help="rows decoded together (default: 32)")
+    p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default: 8)")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step (default: 2048)")
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="prompt-cache entries kept in memory without a store (default: 10)",
+    )
     p.add_argument("--prompt-cache-bytes", type=_parse_size, help="byte cap of the prompt cache (e.g. 2GB)")
     p.add_argument(
         "--store",
@@ -90,7 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "with or without --store",
     )
     p.add_argument("--store-disk-bytes", type=_parse_size, help="byte cap of the --store directory (default: none)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="(default: INFO)"
+    )
     for name in REFUSED:  # accepted by the parser so the refusal can say why
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
     return p
