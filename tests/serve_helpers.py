@@ -7,8 +7,11 @@ import subprocess
 import sys
 import threading
 
+import mlx_lm
 import openai
+from mlx_lm.sample_utils import make_logits_processors
 
+import mlxkv
 from mlxkv.serve import options
 from mlxkv.serve.server import start
 
@@ -16,6 +19,23 @@ from mlxkv.serve.server import start
 def words(tokens):
     """Text the seeded tokenizer encodes to exactly ``tokens``."""
     return " ".join(f"<{t:02x}>" for t in tokens)
+
+
+def reference_answers(model_dir, scheme):
+    """``answer(tokens, max_tokens, scheme=scheme, logit_bias=None)``: what ``mlx_lm.generate``
+    answers (greedy) with the model of ``model_dir`` and fresh mlxkv caches of the scheme;
+    ``answer.tokenizer`` is the model's."""
+    model, tokenizer = mlx_lm.load(model_dir)
+
+    def answer(tokens, max_tokens, scheme=scheme, logit_bias=None):
+        caches = mlxkv.make_cache(model, scheme)
+        processors = make_logits_processors(logit_bias=logit_bias)
+        return mlx_lm.generate(
+            model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches, logits_processors=processors
+        )
+
+    answer.tokenizer = tokenizer
+    return answer
 
 
 def serve_process(*argv):

@@ -10,9 +10,8 @@ import threading
 import warnings
 
 import mlx.core as mx
-import mlx_lm
 import pytest
-from serve_helpers import serve_process, words
+from serve_helpers import reference_answers, serve_process, words
 
 import mlxkv
 from mlxkv.batched.attention import BatchedKVCache
@@ -33,14 +32,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """What ``mlx_lm.generate`` answers with the same model and scheme (greedy)."""
-    model, tokenizer = mlx_lm.load(model_dir)
-
-    def answer(tokens, max_tokens, scheme=SCHEME):
-        caches = mlxkv.make_cache(model, scheme)
-        return mlx_lm.generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches)
-
-    answer.tokenizer = tokenizer
-    return answer
+    return reference_answers(model_dir, SCHEME)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ from mlxkv.serve.options import redact
 SCHEME = "bf16"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_model_dir("llama", str(tmp_path_factory.mktemp("seeded-llama")))
-
-
 def serve_command(*argv, timeout=120):
     """``python -m mlxkv.cli serve ARGV`` run to its end: (exit status, stderr)."""
     cmd = [sys.executable, "-m", "mlxkv.cli", "serve", *argv]
@@ -56,7 +51,7 @@ def test_options_that_cannot_be_served_exit_2_before_the_model_loads(tmp_path, c
     assert status == 2 and "not a directory" in err
 
 
-def test_a_model_that_fails_to_load_exits_1_with_the_reason(model_dir, tmp_path):
+def test_a_model_that_fails_to_load_exits_1_with_the_reason(tmp_path):
     """Weights read, then refused (the config asks for 6 layers, the file has 4): before the
     model loaded in the main thread, MLX aborted the process at exit (SIGABRT, 134)."""
     broken = save_model_dir("llama", str(tmp_path / "broken"))
@@ -73,10 +68,10 @@ def test_a_model_that_fails_to_load_exits_1_with_the_reason(model_dir, tmp_path)
     assert status == 1 and "cannot load the model" in err
 
 
-def test_the_banner_says_where_it_serves_and_what_it_caches(model_dir, tmp_path):
+def test_the_banner_says_where_it_serves_and_what_it_caches(llama_dir, tmp_path):
     store = tmp_path / "store"
     for found in (0, 1):  # the second start finds the entry the first one wrote
-        proc, port = serve_process("--model", model_dir, "--scheme", "kv4", "--store", str(store))
+        proc, port = serve_process("--model", llama_dir, "--scheme", "kv4", "--store", str(store))
         try:
             lines = [proc.stderr.readline().strip() for _ in range(2)]
             entries = "1 entry" if found else "0 entries"
@@ -89,7 +84,7 @@ def test_the_banner_says_where_it_serves_and_what_it_caches(model_dir, tmp_path)
         finally:
             proc.terminate()
             assert proc.wait(30) == 0
-    proc, port = serve_process("--model", model_dir, "--prompt-cache-size", "4")
+    proc, port = serve_process("--model", llama_dir, "--prompt-cache-size", "4")
     try:
         assert proc.stderr.readline().strip().endswith("prompt cache in memory, 4 entries (no --store or --redis)")
     finally:
@@ -126,8 +121,8 @@ def metrics(port) -> dict:
             return samples
 
 
-def test_metrics_count_requests_and_tokens_and_health_says_ok(model_dir):
-    server = Running("--model", model_dir, "--scheme", SCHEME)
+def test_metrics_count_requests_and_tokens_and_health_says_ok(llama_dir):
+    server = Running("--model", llama_dir, "--scheme", SCHEME)
     try:
         client = openai_client(server.port)
         first, second = [1] + prompt(12, seed=3)[1:], [2] + prompt(20, seed=4)[1:]
