@@ -394,12 +394,12 @@ def start(args, prompt_cache=None) -> Server:
     that cannot be bound."""
     check_flags(args)
     cli_args = mlx_lm_arguments(args)
+    cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)  # opened at bind
     provider = SchemeModelProvider(cli_args, args.scheme, cache_options(args), compiled=args.compiled)
     try:
         provider.load_default()
     except Exception as e:
         raise MLXKVError(f"cannot load the model {args.model!r}: {type(e).__name__}: {e}") from e
-    cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)
     bind = getattr(cache, "bind", None)
     if bind is not None:
         try:
