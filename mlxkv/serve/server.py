@@ -47,6 +47,7 @@ from .prompt_cache import build_prompt_cache
 from .requests import Limits, RequestError
 
 JSON = "application/json"
+LISTEN_BACKLOG = 128
 
 
 class GenerationError(MLXKVError):
@@ -413,7 +414,9 @@ def start(args, prompt_cache=None) -> Server:
     limits = Limits(provider.vocab, context, frozenset(names), args.adapter_path)
     try:
         family, _, _, _, address = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
-        server_class = type("MLXKVHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        # a backlog for bursts of clients (Python's default of 5 drops the connections past it)
+        attributes = {"address_family": family, "request_queue_size": LISTEN_BACKLOG}
+        server_class = type("MLXKVHTTPServer", (ThreadingHTTPServer,), attributes)
         fingerprint = mlx_server.get_system_fingerprint()
         httpd = server_class(
             address[:2], lambda *a, **k: ServingHandler(generator, *a, system_fingerprint=fingerprint, **k)
