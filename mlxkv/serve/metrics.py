@@ -95,28 +95,38 @@ def render(counters: ServerCounters, generation_failures: int, prompt_cache) -> 
     )
     out.add("mlxkv_prompt_cache_entries", "gauge", "Entries the prompt cache holds in memory.", len(prompt_cache))
     out.add("mlxkv_prompt_cache_bytes", "gauge", "Bytes the prompt cache holds in memory.", prompt_cache.nbytes)
-    store = getattr(prompt_cache, "store", None)
-    if store is not None:
-        _store(out, store, getattr(prompt_cache, "refused", 0))
+    counters_of = getattr(prompt_cache, "counters", None)
+    if counters_of is not None:
+        _store(out, counters_of())
     return out.text()
 
 
-def _store(out: Exposition, store, refused: int) -> None:
-    """A ``PromptStore``'s counters (``stats``) and sizes."""
-    stats = store.stats
-    out.add(
-        "mlxkv_store_hits_total",
-        "counter",
-        "Prompts served a prefix by the prompt store, by the tier it came from.",
-        [({"tier": tier}, n) for tier, n in stats["hits"].items()],
-    )
-    out.add("mlxkv_store_misses_total", "counter", "Prompts the prompt store had no prefix for.", stats["misses"])
-    out.add("mlxkv_store_puts_total", "counter", "Entries put into the prompt store.", stats["puts"])
-    out.add("mlxkv_store_refused_total", "counter", "Entries the prompt store refused to hold.", refused)
-    out.add(
-        "mlxkv_store_reused_tokens_total", "counter", "Prompt tokens the prompt store served.", stats["reused_tokens"]
-    )
-    ram = [({"tier": "ram"}, len(store))], [({"tier": "ram"}, store.nbytes)], [({"tier": "ram"}, store.cap)]
-    out.add("mlxkv_store_entries", "gauge", "Entries the prompt store holds, by tier.", ram[0])
-    out.add("mlxkv_store_bytes", "gauge", "Bytes the prompt store holds, by tier.", ram[1])
-    out.add("mlxkv_store_capacity_bytes", "gauge", "Bytes the prompt store may hold, by tier.", ram[2])
+#: (metric, type, help, per-tier counter); every per-tier sample is labelled with its tier
+TIER_METRICS = [
+    ("mlxkv_store_hits_total", "counter", "Prompts served a prefix by the prompt store, by tier.", "hits"),
+    ("mlxkv_store_failures_total", "counter", "Calls to a tier that failed.", "failures"),
+    ("mlxkv_store_skipped_total", "counter", "Calls not made to a tier while it was failing.", "skipped"),
+    ("mlxkv_store_refused_entries_total", "counter", "Entries a tier held that failed a check.", "refused"),
+    ("mlxkv_store_writes_total", "counter", "Entries written to a tier.", "writes"),
+    ("mlxkv_store_read_bytes_total", "counter", "Bytes read from a tier.", "bytes_read"),
+    ("mlxkv_store_written_bytes_total", "counter", "Bytes written to a tier.", "bytes_written"),
+    ("mlxkv_store_queued_writes", "gauge", "Writes waiting for a tier.", "queued"),
+    ("mlxkv_store_entries", "gauge", "Entries a tier holds (local tiers).", "entries"),
+    ("mlxkv_store_bytes", "gauge", "Bytes a tier holds (local tiers).", "bytes"),
+]
+
+
+def _store(out: Exposition, c: dict) -> None:
+    """A prompt store's ``counters()`` (docs/store.md names each)."""
+    if not c:  # not open yet
+        return
+    out.add("mlxkv_store_misses_total", "counter", "Prompts the prompt store had no prefix for.", c["misses"])
+    out.add("mlxkv_store_puts_total", "counter", "Entries put into the prompt store.", c["puts"])
+    out.add("mlxkv_store_refused_total", "counter", "Entries the prompt store refused to hold.", c["refused_inserts"])
+    out.add("mlxkv_store_reused_tokens_total", "counter", "Prompt tokens the prompt store served.", c["reused_tokens"])
+    tiers = c["tiers"]
+    for name, kind, help_text, key in TIER_METRICS:
+        samples = [({"tier": t}, v[key]) for t, v in tiers.items() if v.get(key) is not None]
+        out.add(name, kind, help_text, samples)
+    healthy = [({"tier": t}, int(bool(v["healthy"]))) for t, v in tiers.items()]
+    out.add("mlxkv_store_tier_healthy", "gauge", "1 while a tier answers, 0 while it is skipped.", healthy)

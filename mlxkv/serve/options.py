@@ -8,13 +8,9 @@ exits with status 2); ``mlx_lm_arguments(args)`` turns them into the namespace
 
 import argparse
 import json
-import os
-import re
-from urllib.parse import urlsplit
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.utils import _parse_size
-from redis.connection import parse_url
 
 from ..caches.schemes import canonical_scheme
 from ..errors import MLXKVError
@@ -116,9 +112,10 @@ def _json_object(text: str) -> dict:
 
 def check_flags(args) -> None:
     """Every option ``mlxkv serve`` must refuse, checked before the model loads: options
-    that would replace the caches, a scheme (and ``--max-kv-size``) that cannot be built, a
-    ``--store`` that is not a directory it can write, a ``--redis`` that is not a Redis URL,
-    counts that are not positive. Raises :class:`FlagError` saying which and why."""
+    that would replace the caches, a scheme (and ``--max-kv-size``) that cannot be built,
+    counts that are not positive. Raises :class:`FlagError` saying which and why. (The store's
+    options, ``--store`` and ``--redis``, are checked by ``StoreOptions`` when the prompt
+    cache is built, before the model loads too.)"""
     for name, why in REFUSED.items():
         if getattr(args, name, None) is not None:
             raise FlagError(why)
@@ -132,47 +129,6 @@ def check_flags(args) -> None:
             raise FlagError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if args.prompt_cache_size < 0:
         raise FlagError(f"--prompt-cache-size must be at least 0, got {args.prompt_cache_size}")
-    if args.store is not None:
-        check_store_directory(args.store)
-    if args.redis is not None:
-        check_redis_url(args.redis)
-
-
-def check_store_directory(path: str) -> None:
-    """``--store``: a directory this process can write, or one it can create."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FlagError(f"--store {path}: not a directory (give a directory for the disk tier's files)")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(os.path.abspath(existing))
-    if not os.path.isdir(existing):
-        raise FlagError(f"--store {path}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise FlagError(f"--store {path}: {existing} is not writable by this process")
-
-
-def check_redis_url(url: str) -> None:
-    """``--redis``: a URL redis-py connects with (``redis://``, ``rediss://``, ``unix://``),
-    whose database, if any, is a number."""
-    try:
-        parsed = parse_url(url)
-    except ValueError as e:
-        raise FlagError(f"--redis {redact(url)}: {e} (for example redis://localhost:6379/0)") from e
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        if not parsed.get("path"):
-            raise FlagError(f"--redis {redact(url)}: a unix:// URL needs the socket's path (unix:///path/redis.sock)")
-    elif parts.path not in ("", "/") and not re.fullmatch(r"/\d+", parts.path):
-        raise FlagError(f"--redis {redact(url)}: the database must be a number (redis://host:6379/0)")
-
-
-def redact(url: str) -> str:
-    """``url`` without its password (for messages and the startup banner)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
 
 
 def cache_options(args) -> dict:

@@ -42,7 +42,7 @@ from ..checks import is_int
 from ..errors import MLXKVError
 from . import requests
 from .metrics import CONTENT_TYPE, ServerCounters, render
-from .options import cache_options, check_flags, mlx_lm_arguments, redact, store_scheme
+from .options import FlagError, cache_options, check_flags, mlx_lm_arguments, store_scheme
 from .prompt_cache import build_prompt_cache
 from .requests import Limits, RequestError
 
@@ -341,24 +341,15 @@ class Server:
         and its tiers (where, how many entries were found), who may call it."""
         a = self.args
         lines = [f"mlxkv serve: {a.model} on {a.scheme} caches at http://{a.host}:{self.port}"]
-        store = getattr(self.prompt_cache, "store", None)
-        if store is None:
+        report = getattr(self.prompt_cache, "open_report", None)
+        if report is None:
             cap = "" if a.prompt_cache_bytes is None else f", {_mib(a.prompt_cache_bytes)} at most"
             lines.append(
                 f"mlxkv serve: prompt cache in memory, {a.prompt_cache_size} entries{cap} (no --store or --redis)"
             )
         else:
-            tiers = [f"RAM {_mib(store.cap)} at most"]
-            if a.store is not None:
-                found = store.opened
-                noted = (("quarantined", found.quarantined), ("of another identity or format kept", found.skipped))
-                extra = "".join(f", {len(names)} {what}" for what, names in noted if names)
-                disk_cap = "" if a.store_disk_bytes is None else f", {_mib(a.store_disk_bytes)} at most"
-                entries = f"{found.indexed} entr{'y' if found.indexed == 1 else 'ies'}"
-                tiers.append(f"disk {a.store}: {entries} found{extra}{disk_cap}")
-            if a.redis is not None:
-                tiers.append(f"redis {redact(a.redis)}")
-            lines.append(f"mlxkv serve: prompt store for {store_scheme(a)} caches: {'; '.join(tiers)}")
+            tiers = "; ".join(opened.line() for opened in report)
+            lines.append(f"mlxkv serve: prompt store for {store_scheme(a)} caches: {tiers}")
         origins = ", ".join(a.allowed_origins) if a.allowed_origins else "none (no CORS header)"
         lines.append(f"mlxkv serve: web pages allowed (CORS): {origins}; GET /metrics, /health")
         return lines
@@ -395,7 +386,10 @@ def start(args, prompt_cache=None) -> Server:
     that cannot be bound."""
     check_flags(args)
     cli_args = mlx_lm_arguments(args)
-    cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)  # opened at bind
+    try:
+        cache = prompt_cache if prompt_cache is not None else build_prompt_cache(args)  # opened at bind
+    except MLXKVError as e:  # the store's options (StoreOptions checks them)
+        raise FlagError(str(e)) from e
     provider = SchemeModelProvider(cli_args, args.scheme, cache_options(args), compiled=args.compiled)
     try:
         provider.load_default()
