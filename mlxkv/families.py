@@ -16,7 +16,7 @@ An unknown kind is a bug, not a route: every lookup raises
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import UnknownKindError, UnsupportedKindError
 
@@ -83,6 +83,8 @@ class Scheme:
     """A parsed cache scheme, what a family's ``scheme`` parser returns: how to build the
     cache of one full-attention layer."""
 
+    #: the canonical spelling: aliases resolved and every number spelled out, defaults too
+    #: (``fp16`` -> ``bf16``, ``kv4`` -> ``kv4-g64``, ``turbo-k8v3`` -> ``turbo-k8v3-start0``)
     name: str
     build: Callable[[int, dict], object]  # (layer index, options) -> cache
     quantizes: bool  # sliding-window layers stay bf16 under it (make_cache warns)
@@ -90,6 +92,10 @@ class Scheme:
     #: what a generation's request key says of the scheme (docs/sessions.md): mlx-bun's fields
     #: where mlx-bun builds the same caches, else None: ``{"kvScheme": name}``
     policy: dict | None = None
+    #: the ``make_cache`` options the family read that change what its caches hold (which
+    #: positions they keep, how they encode them), by name, with the values in force (defaults
+    #: too); options that only change how a cache is read are not here
+    held: dict = field(default_factory=dict)
 
 
 _FAMILIES: list[Family] = []

@@ -23,3 +23,12 @@ def _quiet_sliding_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*sliding-window layers stay.*")
         yield
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """The seeded llama saved as a model directory (what ``mlxkv serve --model`` and
+    ``mlx_lm.load`` read)."""
+    from mlxkv.models.seeded import save_model_dir
+
+    return save_model_dir("llama", str(tmp_path_factory.mktemp("seeded-llama")))

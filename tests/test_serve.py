@@ -10,9 +10,8 @@ import threading
 import warnings
 
 import mlx.core as mx
-import mlx_lm
 import pytest
-from serve_helpers import serve_process, words
+from serve_helpers import reference_answers, serve_process, words
 
 import mlxkv
 from mlxkv.batched.attention import BatchedKVCache
@@ -33,14 +32,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """What ``mlx_lm.generate`` answers with the same model and scheme (greedy)."""
-    model, tokenizer = mlx_lm.load(model_dir)
-
-    def answer(tokens, max_tokens, scheme=SCHEME):
-        caches = mlxkv.make_cache(model, scheme)
-        return mlx_lm.generate(model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=caches)
-
-    answer.tokenizer = tokenizer
-    return answer
+    return reference_answers(model_dir, SCHEME)
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +107,16 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_server_serving(server, 
     long, short = distinct_prompts(30, (20, 9))
     body = json.dumps({"prompt": words(long), "max_tokens": 150, "stream": True, "temperature": 0.0}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     sock.sendall(head.encode() + body)
     seen = b""
     while seen.count(b"data:") < 2:  # two streamed chunks, then the client goes away
-        seen += sock.recv(4096)
+        chunk = sock.recv(4096)
+        assert chunk, seen
+        seen += chunk
     assert seen.startswith(b"HTTP/1.0 200")
     sock.close()
     status, data = request(server.port, "/v1/completions", {"prompt": words(short), "max_tokens": 10})
@@ -131,7 +128,8 @@ def test_a_request_longer_than_the_context_gets_a_clear_400(server, reference):
     (p,) = distinct_prompts(40, (MAX_CONTEXT - 5,))
     status, data = request(server.port, "/v1/completions", {"prompt": words(p), "max_tokens": 10})
     assert status == 400
-    assert re.search(r"the prompt has 195 tokens and max_tokens is 10: together more than the 200", data["error"])
+    message = data["error"]["message"]
+    assert re.search(r"the prompt has 195 tokens and max_tokens is 10: together more than the 200", message)
     (ok,) = distinct_prompts(41, (12,))
     status, data = request(server.port, "/v1/completions", {"prompt": words(ok), "max_tokens": 6})
     assert status == 200 and data["choices"][0]["text"] == reference(ok, 6)
@@ -220,9 +218,9 @@ def test_options_that_would_replace_the_caches_are_refused(model_dir, capsys):
         ("--quantized-kv-start", "100", "kv4-start5000"),
         ("--draft-model", model_dir, "speculative decoding"),
     ):
-        assert mlxkv_main(["serve", "--model", model_dir, flag, value]) == 1
+        assert mlxkv_main(["serve", "--model", model_dir, flag, value]) == 2
         assert why in capsys.readouterr().err
-    assert mlxkv_main(["serve", "--model", model_dir, "--scheme", "kv7"]) == 1
+    assert mlxkv_main(["serve", "--model", model_dir, "--scheme", "kv7"]) == 2
     assert "got bits=7" in capsys.readouterr().err
 
 

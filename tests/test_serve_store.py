@@ -13,7 +13,8 @@ import threading
 import mlx.core as mx
 import mlx_lm
 import pytest
-from serve_helpers import serve_process, words
+from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import Running, serve_process, words
 from store_helpers import RedisServer
 
 import mlxkv
@@ -47,11 +48,11 @@ def deployment_secret(monkeypatch):
     monkeypatch.setenv("MLXKV_STORE_SECRET", "a-test-deployment-secret")
 
 
-def answer(loaded, tokens, cached, max_tokens):
+def answer(loaded, tokens, cached, max_tokens, **cache_options):
     """What the server must answer: ``mlx_lm.generate`` on caches of the scheme that hold the
     first ``cached`` tokens (prefilled alone, as the stored entry was), then the rest."""
     model, tokenizer = loaded
-    caches = mlxkv.make_cache(model, SCHEME)
+    caches = mlxkv.make_cache(model, SCHEME, **cache_options)
     if cached:
         mx.eval(model(mx.array(tokens[:cached])[None], cache=caches))
     return mlx_lm.generate(model, tokenizer, tokens[cached:], max_tokens=max_tokens, prompt_cache=caches)
@@ -69,19 +70,8 @@ def complete(port, tokens, max_tokens=6):
     return data["choices"][0]["text"], cached
 
 
-class Running:
-    def __init__(self, argv):
-        self.server = start(options.parse(argv))
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.server.shutdown()
-        self.thread.join(10)
-
-
 def serve(model_dir, *extra):
-    return Running(["--model", model_dir, "--scheme", SCHEME, "--port", "0", *extra])
+    return Running("--model", model_dir, "--scheme", SCHEME, *extra)
 
 
 def snapshot_files(directory):
@@ -94,9 +84,9 @@ def test_a_shared_prefix_survives_a_restart_and_spans_servers(model_dir, loaded,
     first, second = system + prompt(9, seed=22), system + prompt(12, seed=23)
     a = serve(model_dir, "--store", str(tmp_path / "a"), "--redis", redis_server.url)
     try:
-        text, cached = complete(a.server.port, first)
+        text, cached = complete(a.port, first)
         assert cached == 0 and text == answer(loaded, first, 0, 6)
-        text, cached = complete(a.server.port, second)  # the system prompt is not forwarded again
+        text, cached = complete(a.port, second)  # the system prompt is not forwarded again
         assert cached >= len(system) and text == answer(loaded, second, cached, 6)
     finally:
         a.stop()  # the store closes: its queued writes reach the directory and Redis
@@ -106,13 +96,13 @@ def test_a_shared_prefix_survives_a_restart_and_spans_servers(model_dir, loaded,
     third = system + prompt(7, seed=24)
     b = serve(model_dir, "--store", str(tmp_path / "a"))  # restarted on the same directory
     try:
-        text, cached = complete(b.server.port, third)
+        text, cached = complete(b.port, third)
         assert cached >= len(system) and text == answer(loaded, third, cached, 6)
     finally:
         b.stop()
     c = serve(model_dir, "--redis", redis_server.url)  # another server: RAM empty, no directory
     try:
-        text, cached = complete(c.server.port, third)
+        text, cached = complete(c.port, third)
         assert cached >= len(system) and text == answer(loaded, third, cached, 6)
     finally:
         c.stop()
@@ -200,3 +190,45 @@ def test_servers_differing_in_max_kv_size_never_serve_each_others_entries(model_
             assert (cached >= len(tokens)) == found, (flags, cached)
         finally:
             s.stop()
+
+
+def store_metrics(port) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_servers_that_differ_in_max_kv_size_never_serve_each_others_entries(model_dir, loaded, tmp_path):
+    """``--max-kv-size`` changes what a cache holds (a ring of 32 positions, not every
+    position), so it is part of the store's identity: on one directory, a server with rings
+    and one without find only their own entries, each answering as its own cold start."""
+    store = str(tmp_path / "shared")
+    ring = {"max_kv_size": 32}
+    first, second = prompt(20, seed=41), prompt(20, seed=42)
+    later = lambda p: p[:18] + prompt(10, seed=43)  # shares 18 tokens with an entry of ``p``
+    a = serve(model_dir, "--store", store, "--max-kv-size", "32")
+    try:
+        assert complete(a.port, first, 10) == (answer(loaded, first, 0, 10, **ring), 0)
+    finally:
+        a.stop()
+    b = serve(model_dir, "--store", store)
+    try:
+        assert complete(b.port, later(first), 10) == (answer(loaded, later(first), 0, 10), 0)
+        assert complete(b.port, second, 10) == (answer(loaded, second, 0, 10), 0)
+    finally:
+        b.stop()
+    a = serve(model_dir, "--store", store, "--max-kv-size", "32")  # restarted: its own entries only
+    try:
+        assert complete(a.port, later(second), 10) == (answer(loaded, later(second), 0, 10, **ring), 0)
+        text, cached = complete(a.port, later(first), 10)
+        assert cached == 18 and text == answer(loaded, later(first), 18, 10, **ring)
+        m = store_metrics(a.port)
+        assert m[("mlxkv_store_hits_total", (("tier", "disk"),))] == 1
+        assert m[("mlxkv_store_misses_total", ())] == 1
+    finally:
+        a.stop()

@@ -47,4 +47,4 @@ PLAIN_SCHEME = r"bf16|fp16|plain"
 
 def plain_scheme(m, options) -> Scheme:
     """``bf16`` (also ``fp16``, ``plain``): plain caches, rings of plain rows under ``max_kv_size``."""
-    return Scheme(m.string, lambda i, o: KVCache(), False, lambda n, keep: RotatingKVCache(n, keep), policy={})
+    return Scheme("bf16", lambda i, o: KVCache(), False, lambda n, keep: RotatingKVCache(n, keep), policy={})

@@ -17,7 +17,10 @@ Two filter sources:
   block crossed the threshold) makes the fallback chunk-invariant as well.
 """
 
+import hashlib
+
 import mlx.core as mx
+import numpy as np
 
 from ..checks import is_int
 from ..errors import CacheConfigError
@@ -212,4 +215,18 @@ def qfilters_scheme(m, options):
             head_dim=o.get("head_dim"),
         )
 
-    return Scheme(m.string, build, False)
+    return Scheme(f"qfilters-b{budget}-s{n_sink}-r{recent}", build, False, held=_held(options, sign, calib))
+
+
+def _held(options: dict, sign, calib) -> dict:
+    """What the options decide of the kept rows: the sign, and the calibrated filters (by a
+    digest of their values) or, without them, the keys the fallback estimates from."""
+    cal = options.get("qfilters_calibration")
+    filters = cal.filters if cal is not None else options.get("filters")
+    if filters is None:
+        return {"calib_tokens": calib, "sign": sign}
+    digest = hashlib.sha256()
+    for f in [filters] if isinstance(filters, mx.array) else filters:
+        a = None if f is None else np.array(mx.array(f).astype(mx.float32))
+        digest.update(b"-" if a is None else repr(a.shape).encode() + a.tobytes())
+    return {"filters": digest.hexdigest()[:16], "sign": sign}

@@ -74,17 +74,17 @@ def affine_scheme(m, options) -> Scheme:
     ``max_kv_size``."""
     bits, group = int(m["bits"]), int(m["group"] or 64)
     check_affine(bits, group)  # now, not at the first layer or the conversion
-    start = m["start"]
+    start, target = m["start"], f"kv{bits}-g{group}"
     if start is None:
         return Scheme(
-            m.string,
+            target,
             lambda i, o: QuantizedKVCache(group_size=group, bits=bits),
             True,
             lambda n, keep: RotatingQuantizedKVCache(n, keep, group_size=group, bits=bits),
-            policy={"kvScheme": f"kv{bits}-g{group}"},  # quantized from token 0: mlx-bun has no such cache
+            policy={"kvScheme": target},  # quantized from token 0: mlx-bun has no such cache
         )
     pending = PendingConversion(
-        f"kv{bits}-g{group}", int(start), lambda c: QuantizedKVCache.from_cache(c, group_size=group, bits=bits)
+        target, int(start), lambda c: QuantizedKVCache.from_cache(c, group_size=group, bits=bits)
     )
     policy = {"kvBits": bits, "kvGroupSize": group, "quantizedKvStart": int(start)}
-    return Scheme(m.string, lambda i, o: Bf16FirstCache(pending), True, policy=policy)
+    return Scheme(f"{target}-start{int(start)}", lambda i, o: Bf16FirstCache(pending), True, policy=policy)

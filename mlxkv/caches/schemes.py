@@ -11,6 +11,7 @@ import warnings
 
 from mlx_lm.models import cache as mlx_cache
 
+from ..checks import is_int
 from ..errors import SchemeError
 from ..families import Scheme, scheme_families
 from .arrays import ArraysCache
@@ -18,6 +19,8 @@ from .base import CacheContract
 from .masks import ForwardMasks
 from .rotating import RotatingKVCache
 from .transition import Bf16FirstCache, PendingConversion
+
+RING_KEEP = 4  # the first positions a max_kv_size ring keeps (mlx-lm's choice)
 
 
 def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
@@ -79,6 +82,34 @@ def layer_count(model) -> int:
     return len(template) if template is not None else len(model.layers)
 
 
+def _check_ring(parsed: Scheme, scheme: str, max_kv_size) -> None:
+    """``max_kv_size`` is a ring size the scheme can build (refused before any cache is)."""
+    if parsed.ring is None:
+        raise SchemeError(f"scheme {scheme!r} has no ring form: max_kv_size cannot be used with it")
+    if not is_int(max_kv_size) or max_kv_size <= RING_KEEP:
+        raise SchemeError(
+            f"max_kv_size must be an integer above the {RING_KEEP} positions a ring keeps, got {max_kv_size!r}"
+        )
+
+
+def canonical_scheme(scheme: str, max_kv_size: int | None = None, **options) -> str:
+    """The canonical form of what ``make_cache(model, scheme, max_kv_size, **options)`` builds:
+    two calls (on one model) give the same string exactly when their caches hold the same
+    things. It is the scheme's canonical name (``Scheme.name``: ``kv4`` and ``kv4-g64`` are
+    ``kv4-g64``) followed by ``+name=value`` for every option that changes what the caches
+    hold, sorted by name: ``bf16+max_kv_size=256``, ``qfilters-b32-s4-r8+calib_tokens=16+sign=1``.
+    Options that only change how a cache is read (TurboQuant's ``deferred`` and ``codes``) are
+    left out: they change rounding, as the prefill chunk does, not what is stored.
+
+    A bad scheme or option raises ``SchemeError`` here, as ``make_cache`` would."""
+    parsed = parse_scheme(scheme, options)
+    held = dict(parsed.held)
+    if max_kv_size is not None:
+        _check_ring(parsed, scheme, max_kv_size)
+        held["max_kv_size"] = max_kv_size
+    return parsed.name + "".join(f"+{k}={held[k]}" for k in sorted(held))
+
+
 def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **options) -> list:
     """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
 
@@ -86,8 +117,8 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
     4 positions (mlx-lm's choice), rotating-quantized under an affine scheme.
     """
     parsed = parse_scheme(scheme, options)
-    if max_kv_size is not None and parsed.ring is None:
-        raise SchemeError(f"scheme {scheme!r} has no ring form: max_kv_size cannot be used with it")
+    if max_kv_size is not None:
+        _check_ring(parsed, scheme, max_kv_size)
     template = layer_template(model)
     if template is None:
         template = [mlx_cache.KVCache() for _ in model.layers]
@@ -109,7 +140,7 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
             c = ArraysCache(len(t.cache))
         elif isinstance(t, (mlx_cache.KVCache, mlx_cache.QuantizedKVCache, CacheContract)):
             # a full-attention layer: mlx-lm's caches, or mlxkv's (a model whose make_cache is mlxkv's)
-            c = parsed.build(i, layer_options) if max_kv_size is None else parsed.ring(max_kv_size, 4)
+            c = parsed.build(i, layer_options) if max_kv_size is None else parsed.ring(max_kv_size, RING_KEEP)
         else:
             cls = type(t)
             raise SchemeError(

@@ -52,7 +52,7 @@ def tova_scheme(m, options):
     """``tova-b<budget>-s<nSink>``: every full-attention layer gets a TOVA cache."""
     budget, n_sink = int(m["budget"]), int(m["sink"])
     TOVAKVCache(budget, n_sink)  # validate now, not at the first layer
-    return Scheme(m.string, lambda i, o: TOVAKVCache(budget, n_sink), False)
+    return Scheme(f"tova-b{budget}-s{n_sink}", lambda i, o: TOVAKVCache(budget, n_sink), False)
 
 
 TOVA_SCHEME = r"tova-b(?P<budget>\d+)-s(?P<sink>\d+)"

@@ -303,7 +303,7 @@ def turbo_scheme(m, opts):
         return Bf16FirstCache(pending)
 
     policy = {"turboQuant": {"kBits": k_bits, "vBits": v_bits}, "quantizedKvStart": start}
-    return Scheme(m.string, build, True, policy=policy)
+    return Scheme(f"turbo-k{k_bits}v{v_bits}-start{start}", build, True, policy=policy)  # deferred, codes: reads
 
 
 TURBO_SCHEME = r"turbo-k(?P<k>\d+)v(?P<v>\d+)(?:-start(?P<start>\d+))?"

@@ -3,7 +3,6 @@
 model as an mlx-lm directory) and ``serve`` (mlx-lm's server on mlxkv caches)."""
 
 import os
-import signal
 import sys
 
 from .output import Progress, layers_by_kind, print_table
@@ -58,26 +57,7 @@ def cmd_fetch_model(args) -> int:
     return 0
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def cmd_serve(args) -> int:
-    import logging
+    from ..serve.command import run
 
-    from ..serve.server import start
-
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
-    server = start(args)
-    print(f"mlxkv serve: {args.model} on {args.scheme} caches at http://{args.host}:{server.port}", file=sys.stderr)
-    sys.stderr.flush()
-    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends as Ctrl-C does
-    server.serve_forever()
-    server.shutdown()  # the prompt store's queued writes are written first
-    # Everything is stopped and joined. Leave without interpreter finalization: MLX aborts
-    # there ("terminate called without an active exception") once a thread other than the
-    # main one has run MLX work, which mlx-lm's generation thread does (plain mlx_lm.server
-    # ends the same way on Ctrl-C).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return run(args)

@@ -121,16 +121,17 @@ def tokenizer():
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def save_model_dir(arch: str, path: str, seed: int = 0) -> str:
-    """Write the seeded model ``arch`` as a local model directory ``mlx_lm.load`` (and
-    ``mlxkv serve --model``) reads: weights, config.json, and the tokenizer with a chat template."""
+def save_model_dir(arch: str, path: str, seed: int = 0, **overrides) -> str:
+    """Write the seeded model ``arch`` (config ``overrides`` applied) as a local model directory
+    ``mlx_lm.load`` (and ``mlxkv serve --model``) reads: weights, config.json, and the
+    tokenizer with a chat template."""
     import os
 
     from mlx_lm.utils import save_config, save_model
 
-    model = build_model(arch, seed=seed)
+    model = build_model(arch, seed=seed, **overrides)
     save_model(path, model)
-    save_config(dict(CONFIGS[arch]), os.path.join(path, "config.json"))
+    save_config({**CONFIGS[arch], **overrides}, os.path.join(path, "config.json"))
     hf = tokenizer()._tokenizer
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(path)

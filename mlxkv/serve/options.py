@@ -1,7 +1,9 @@
 """The options of ``mlxkv serve``: mlx-lm's server options that make sense with mlxkv caches,
 plus the cache scheme; and the ones refused, with the reason.
 
-``mlx_lm_arguments(args)`` turns them into the namespace ``mlx_lm.server`` reads.
+``check_flags(args)`` refuses what cannot be served before anything loads (``mlxkv serve``
+exits with status 2); ``mlx_lm_arguments(args)`` turns them into the namespace
+``mlx_lm.server`` reads.
 """
 
 import argparse
@@ -10,7 +12,13 @@ import json
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.utils import _parse_size
 
-from ..errors import SchemeError
+from ..caches.schemes import canonical_scheme
+from ..errors import MLXKVError
+
+
+class FlagError(MLXKVError):
+    """An option of ``mlxkv serve`` that cannot be served (found before the model loads)."""
+
 
 #: mlx-lm server options mlxkv serve refuses, and why (docs/serving.md)
 REFUSED = {
@@ -27,7 +35,9 @@ REFUSED = {
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local model directory (or a Hugging Face repo id)")
-    p.add_argument("--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ...")
+    p.add_argument(
+        "--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ... (default: bf16)"
+    )
     p.add_argument("--max-kv-size", type=int, help="full-attention layers become rings of this many positions")
     p.add_argument(
         "--compiled",
@@ -41,23 +51,36 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="refuse requests whose prompt plus max_tokens exceed this (default: the model's "
         "max_position_embeddings, if its config has one)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--adapter-path")
-    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--chat-template", default="")
-    p.add_argument("--use-default-chat-template", action="store_true")
-    p.add_argument("--chat-template-args", type=_json_object, default="{}")
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--decode-concurrency", type=int, default=32, help="rows decoded together")
-    p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prompt-cache-size", type=int, default=10, help="prompt-cache entries kept in memory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080; 0: any free port)")
+    p.add_argument("--adapter-path", help="LoRA adapter weights applied to the model (its own store namespace)")
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda x: [o for o in x.split(",") if o],
+        default=[],
+        help="comma-separated origins whose web pages may read the answers (CORS), '*' for any "
+        "(default: none, no CORS header is sent)",
+    )
+    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the model's own code")
+    p.add_argument("--chat-template", default="", help="a chat template replacing the tokenizer's")
+    p.add_argument("--use-default-chat-template", action="store_true", help="the tokenizer's default template")
+    p.add_argument(
+        "--chat-template-args", type=_json_object, default="{}", help="JSON object of chat-template arguments"
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="default temperature of a request (default: 0, greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="default top_k of a request (default: 0, off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min_p of a request (default: 0, off)")
+    p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request (default: 512)")
+    p.add_argument("--decode-concurrency", type=int, default=32, help="rows decoded together (default: 32)")
+    p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default: 8)")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step (default: 2048)")
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="prompt-cache entries kept in memory without a store (default: 10)",
+    )
     p.add_argument("--prompt-cache-bytes", type=_parse_size, help="byte cap of the prompt cache (e.g. 2GB)")
     p.add_argument(
         "--store",
@@ -72,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "with or without --store",
     )
     p.add_argument("--store-disk-bytes", type=_parse_size, help="byte cap of the --store directory (default: none)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="(default: INFO)"
+    )
     for name in REFUSED:  # accepted by the parser so the refusal can say why
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
     return p
@@ -85,10 +110,25 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def check_refused(args) -> None:
+def check_flags(args) -> None:
+    """Every option ``mlxkv serve`` must refuse, checked before the model loads: options
+    that would replace the caches, a scheme (and ``--max-kv-size``) that cannot be built,
+    counts that are not positive. Raises :class:`FlagError` saying which and why. (The store's
+    options, ``--store`` and ``--redis``, are checked by ``StoreOptions`` when the prompt
+    cache is built, before the model loads too.)"""
     for name, why in REFUSED.items():
         if getattr(args, name, None) is not None:
-            raise SchemeError(why)
+            raise FlagError(why)
+    try:
+        canonical_scheme(args.scheme, **cache_options(args))
+    except MLXKVError as e:
+        raise FlagError(f"--scheme {args.scheme}: {e}") from e
+    for flag in ("max_context", "max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise FlagError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.prompt_cache_size < 0:
+        raise FlagError(f"--prompt-cache-size must be at least 0, got {args.prompt_cache_size}")
 
 
 def cache_options(args) -> dict:
@@ -96,9 +136,14 @@ def cache_options(args) -> dict:
     return {} if args.max_kv_size is None else {"max_kv_size": args.max_kv_size}
 
 
+def store_scheme(args) -> str:
+    """What the prompt store keys its entries on: the canonical form of the scheme with every
+    option that changes what the caches hold (``mlxkv.caches.schemes.canonical_scheme``)."""
+    return canonical_scheme(args.scheme, **cache_options(args))
+
+
 def mlx_lm_arguments(args) -> argparse.Namespace:
     """The namespace ``mlx_lm.server`` reads (its ``cli_args``)."""
-    check_refused(args)
     return argparse.Namespace(
         model=args.model,
         adapter_path=args.adapter_path,
