@@ -8,14 +8,17 @@ temporary directory, takes only its ``tests/`` from it, and runs pytest on those
 per *run*:
 
 - ``mlx-lm``: the baseline, mlx-lm's own caches, nothing substituted;
-- ``mlx-lm:max_kv_size=N``: the baseline for a ring run, mlx-lm's own ``make_prompt_cache``
-  asked for rings of N rows wherever a test gives no size;
 - a scheme (``bf16``, ``kv4``, ``turbo-k8v3``, ...), optionally ``SCHEME:max_kv_size=N``:
-  mlxkv caches substituted for mlx-lm's (below).
+  mlxkv caches substituted for mlx-lm's (below);
+- a reference, run for each scheme that has one: mlx-lm's own cache of the same kind,
+  ``mlx-lm:max_kv_size=N`` (its ``make_prompt_cache`` asked for rings of N rows wherever a
+  test gives no size; like mlx-lm, a model with its own ``make_cache`` ignores it) and
+  ``mlx-lm:kvB-gG`` (its ``QuantizedKVCache`` in place of each of its ``KVCache``).
 
-Every difference from the baseline is listed (a ring run is compared with the ring baseline
-when that ran), with the first line of its error, and every test's outcome per run goes to
-the JSON file. The tests are mlx-lm's, unchanged; nothing of mlx-lm is kept.
+Every difference from the baseline is listed with the first line of its error and whether
+the reference does the same (then the difference belongs to the kind of cache, not to
+mlxkv), and every test's outcome per run goes to the JSON file. The tests are mlx-lm's,
+unchanged; nothing of mlx-lm is kept.
 
 What is substituted, at the narrowest place that covers what the tests reach (this module is
 also the pytest plugin, loaded with ``-p mlx_lm_campaign``; the run is named by
@@ -82,12 +85,25 @@ HUB_MODEL = "mlx-community/Qwen1.5-0.5B-Chat-4bit"
 SUBSTITUTED = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ArraysCache")
 
 
-def parse_run(label: str) -> tuple[str, int | None]:
-    """``SCHEME[:max_kv_size=N]`` -> (scheme, N or None)."""
-    m = re.fullmatch(r"([^:]+)(?::max_kv_size=(\d+))?", label)
-    if not m:
-        raise SystemExit(f"bad run {label!r}: write SCHEME or SCHEME:max_kv_size=N")
-    return m[1], int(m[2]) if m[2] else None
+def parse_run(label: str) -> tuple[str, int | None, tuple | None]:
+    """``SCHEME[:max_kv_size=N]`` or ``mlx-lm[:max_kv_size=N | :kvB[-gG]]`` -> (scheme or
+    ``mlx-lm``, N or None, (bits, group) of mlx-lm's own affine cache or None)."""
+    m = re.fullmatch(r"([^:]+)(?::(?:max_kv_size=(\d+)|kv(\d)(?:-g(\d+))?))?", label)
+    if not m or (m[3] and m[1] != BASELINE):
+        raise SystemExit(f"bad run {label!r}: write SCHEME, SCHEME:max_kv_size=N or mlx-lm:kvB[-gG]")
+    return m[1], int(m[2]) if m[2] else None, (int(m[3]), int(m[4] or 64)) if m[3] else None
+
+
+def reference_for(label: str) -> str | None:
+    """The mlx-lm run with mlx-lm's own cache of the same kind as run ``label``: its rings for
+    ``max_kv_size``, its ``QuantizedKVCache`` for a plain affine scheme; None when it has none."""
+    scheme, size, _ = parse_run(label)
+    if scheme == BASELINE:
+        return None
+    if size is not None:
+        return f"{BASELINE}:max_kv_size={size}"
+    m = re.fullmatch(r"kv(\d)(?:-g(\d+))?", scheme)
+    return f"{BASELINE}:kv{m[1]}-g{m[2] or 64}" if m else None
 
 
 # --- the plugin: substitution inside the pytest process -------------------------------------
@@ -180,7 +196,7 @@ def install(label: str):
     """Substitute the caches of run ``label`` in this process (see the module docstring)."""
     from mlx_lm.models import cache as mlx_cache
 
-    scheme, run_size = parse_run(label)
+    scheme, run_size, affine = parse_run(label)
     original = mlx_cache.make_prompt_cache
     _import_mlx_lm_users()
     if scheme == BASELINE:
@@ -190,6 +206,22 @@ def install(label: str):
                 return original(model, run_size if max_kv_size is None else max_kv_size)
 
             _replace_everywhere(original, ring_prompt_cache, "make_prompt_cache")
+        if affine is not None:
+            bits, group = affine
+
+            def quantized(model, max_kv_size):
+                with _while_building():
+                    caches = original(model, max_kv_size)
+                return [
+                    c.to_quantized(group_size=group, bits=bits) if type(c) is mlx_cache.KVCache else c for c in caches
+                ]
+
+            def quantized_prompt_cache(model, max_kv_size=None):
+                return quantized(model, max_kv_size)
+
+            _replace_everywhere(original, quantized_prompt_cache, "make_prompt_cache")
+            for cls in list(_model_classes()):
+                cls.make_cache = _SchemeMakeCache(vars(cls)["make_cache"], quantized)
         return
 
     import mlxkv
@@ -479,58 +511,65 @@ def counts(result: dict) -> dict:
     return c
 
 
-def baseline_for(label: str, runs: dict) -> str:
-    _, size = parse_run(label)
-    ring = f"{BASELINE}:max_kv_size={size}"
-    return ring if size is not None and ring in runs else BASELINE
-
-
 def differences(runs: dict) -> dict:
-    """{run: {test: (baseline outcome, outcome, message)}} for every test whose outcome differs."""
+    """{run: {test: (baseline outcome, outcome, message, reference outcome)}} for every test
+    whose outcome differs from the baseline's; the reference outcome is that of mlx-lm's own
+    cache of the same kind (``reference_for``), None when it did not run."""
+    base = runs[BASELINE]["outcomes"]
     out = {}
     for label, run in runs.items():
         if parse_run(label)[0] == BASELINE:
             continue
-        base = runs[baseline_for(label, runs)]["outcomes"]
+        ref = runs.get(reference_for(label) or "", {}).get("outcomes")
         diff = {}
         for test in sorted(set(base) | set(run["outcomes"])):
             b = base.get(test, ("absent", ""))
             r = run["outcomes"].get(test, ("absent", ""))
             if b[0] != r[0]:
-                diff[test] = (b[0], r[0], r[1] or b[1])
+                diff[test] = (b[0], r[0], r[1] or b[1], None if ref is None else ref.get(test, ("absent",))[0])
         out[label] = diff
     return out
 
 
+SHORT = {"passed": "P", "failed": "F", "error": "E", "skipped": "S", "absent": "-"}
+
+
 def report(runs: dict, diffs: dict):
-    print("\n## Outcomes per run\n")
-    print("| run | compared with | passed | failed | error | skipped | subtests passed | subtests failed | differs |")
+    print("\n## Outcomes per run (each compared with the mlx-lm baseline)\n")
+    head = ("run", "passed", "failed", "error", "skipped", "subtests passed", "subtests failed", "differs")
+    print("| " + " | ".join(head) + " | of which mlx-lm's own cache does the same |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, run in runs.items():
         c = counts(run["outcomes"])
-        against = "" if parse_run(label)[0] == BASELINE else baseline_for(label, runs)
-        n = len(diffs.get(label, {})) if against else ""
         cells = " | ".join(
             str(c.get(k, 0)) for k in ("passed", "failed", "error", "skipped", "sub-passed", "sub-failed")
         )
-        print(f"| {label} | {against} | {cells} | {n} |")
+        diff = diffs.get(label)
+        n = "" if diff is None else len(diff)
+        ref = reference_for(label)
+        shared = "" if diff is None or ref not in runs else f"{sum(d[3] == d[1] for d in diff.values())} ({ref})"
+        print(f"| {label} | {cells} | {n} | {shared} |")
     tests = sorted({t for d in diffs.values() for t in d})
     if not tests:
-        print("\nNo run differs from its baseline.")
+        print("\nNo run differs from the baseline.")
         return
     labels = list(diffs)
-    print("\n## Tests that differ from the baseline (P passed, F failed, E error, S skipped)\n")
+    print("\n## Tests that differ from the baseline\n")
+    print("P passed, F failed, E error, S skipped, - not run; a star: mlx-lm's own cache of the kind does the same.\n")
     print("| test | baseline | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
-    short = {"passed": "P", "failed": "F", "error": "E", "skipped": "S", "absent": "-"}
     for t in tests:
-        base = runs[BASELINE]["outcomes"].get(t, ("absent", ""))[0]
-        cells = [short[runs[lab]["outcomes"].get(t, ("absent", ""))[0]] for lab in labels]
-        print(f"| {t} | {short[base]} | " + " | ".join(cells) + " |")
+        cells = []
+        for lab in labels:
+            outcome = runs[lab]["outcomes"].get(t, ("absent", ""))[0]
+            d = diffs[lab].get(t)
+            cells.append(SHORT[outcome] + ("*" if d and d[3] == d[1] else "") if d else "")
+        print(f"| {t} | {SHORT[runs[BASELINE]['outcomes'].get(t, ('absent', ''))[0]]} | " + " | ".join(cells) + " |")
     print("\n## First error line of each difference\n")
     for label in labels:
-        for t, (b, r, message) in diffs[label].items():
-            print(f"- {label} {t}: {b} -> {r}: {message}")
+        for t, (b, r, message, ref) in diffs[label].items():
+            same = f" (mlx-lm's own {reference_for(label)}: {ref})" if ref is not None else ""
+            print(f"- {label} {t}: {b} -> {r}{same}: {message}")
 
 
 def main(argv=None):
@@ -545,6 +584,8 @@ def main(argv=None):
     ap.add_argument("--keep", default=None, help="work in this directory and keep it (default: a temporary one)")
     args = ap.parse_args(argv)
 
+    for label in args.schemes:
+        parse_run(label)  # a bad label fails before anything is downloaded
     version = mlx_lm.__version__
     with contextlib.ExitStack() as stack:
         work = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-lm-campaign-"))
@@ -554,7 +595,7 @@ def main(argv=None):
         write_standin_model(os.path.join(root, *HUB_MODEL.split("/")))
         files = [os.path.join("tests", f) for f in args.files] if args.files else ["tests"]
         labels = [BASELINE]
-        labels += sorted({f"{BASELINE}:max_kv_size={s}" for _, s in map(parse_run, args.schemes) if s is not None})
+        labels += sorted({r for r in map(reference_for, args.schemes) if r is not None})
         labels += [s for s in args.schemes if s not in labels]
         runs = {}
         if args.hubless:
