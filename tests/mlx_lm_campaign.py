@@ -402,6 +402,70 @@ def write_standin_model(path: str, seed: int = 0):
     hf.save_pretrained(path)
 
 
+# --- what each difference is ------------------------------------------------------------------
+
+#: The classes of a difference from the baseline (docs/caches.md, "mlx-lm's own tests").
+CLASSES = {
+    "a": "an mlxkv bug",
+    "b": "a refusal or a choice by design (docs/caches.md)",
+    "c": "a lossy scheme's expected numeric difference",
+    "d": "the test reads how mlx-lm represents something a drop-in need not copy",
+    "k": "a point of issue 22 being fixed",
+    "s": "mlx-lm's own cache of the kind does the same",
+    "?": "not classified yet",
+}
+A_RING = r":max_kv_size=\d+$"
+BF16_FIRST = r"^(kv\d(-g\d+)?-start\d+|turbo-.*)$"
+AFFINE = r"^kv\d(-g\d+)?$"
+#: (class, why, run pattern, test pattern, message pattern): the first rule that matches all
+#: three (``re.search``) classifies a difference, as of mlx-lm 0.32.2 and the mlxkv this was
+#: written against; a rule that no longer matches anything is a difference that went away.
+# fmt: off
+RULES = (
+    ("k", "point 2: an empty affine cache has no nbytes; mlx-lm's server thread dies, the class's later tests fail",
+     AFFINE, r"test_server\.TestServer(WithDraftModel)?::", r""),
+    ("k", "point 3: merge's keys/values are tuples of [B, H, capacity, D]", r"", r"test_merge_with_empty_caches", r""),
+    ("k", "point 4: mlxkv's ring is not an mlx-lm RotatingKVCache (isinstance, make_cache templates)", r"", r"",
+     r"instance of <class 'mlx_lm\.models\.cache\.RotatingKVCache'>|asks for an mlx-lm RotatingKVCache"),
+    ("k", "point 4: mlxkv's ring is not an mlx-lm RotatingKVCache (isinstance)", r"",
+     r"test_pipeline_layer_indices", r""),
+    ("a", "TurboQuant, TOVA and Q-Filters caches have no keys_and_values() (KV-shared layers call it)", r"", r"",
+     r"no attribute 'keys_and_values'"),
+    ("b", "a model cache class mlxkv has no equivalent of (CacheList, ChunkedKVCache, LayerCache)", r"", r"",
+     r"has no mlxkv equivalent yet"),
+    ("b", "mlx-lm's kv_bits / to_quantized would swap the cache for mlx-lm's own: refused", r"", r"",
+     r"mlx-lm's kv_bits="),
+    ("b", "mlx-lm's kv_bits refused inside mlx-lm's server thread", r"", r"test_completion_quantizes_the_cache", r""),
+    ("b", "max_kv_size with a scheme that has no ring form", r"", r"", r"has no ring form"),
+    ("b", "the scheme cannot encode this head geometry (affine group > head_dim; TurboQuant head_dim, K/V dims)",
+     r"", r"", r"divisible by the quantization group size|TurboQuant supports head_dim|TurboQuant appends keys"
+     r"|Cannot reshape array of size \d+ into shape \(\d+,\d+,\d+,0,"),
+    ("b", "the scheme's cache is not a KVCache (the test asserts bf16's class)", r"", r"",
+     r"is not an instance of <class 'mlx_lm\.models\.cache\.KVCache'>"),
+    ("b", "mlxkv's batched rings keep the ring's sinks (keep); mlx-lm's BatchRotatingKVCache drops them",
+     A_RING, r"test_batch_continued_generation|test_many_batches", r""),
+    ("c", "bf16-first: the converting append is attended in bf16, so chunking and reuse change the numbers",
+     BF16_FIRST, r"chunked_vs_oneshot|test_many_batches|test_batch_unique_max_toks|test_handle_completions$", r""),
+    ("c", "eviction runs after each append: a prefill in chunks keeps other positions than one append",
+     r"^(tova|qfilters)-", r"test_batch_continued_generation|test_many_batches|test_batch_unique_max_toks", r""),
+    ("c", "affine: a reused prefix is attended in another kernel than its fresh prefill", AFFINE,
+     r"test_handle_completions$", r""),
+    ("d", "an empty merge's mask: mlx-lm returns an all-True array, mlxkv None (no mask)", r"",
+     r"test_arrays_cache_extend_with_empty", r""),
+)
+# fmt: on
+
+
+def classify(label: str, test: str, message: str, reference: str | None, outcome: str) -> tuple[str, str]:
+    """(class, why) of one difference of run ``label``."""
+    for cls, why, run, pattern, text in RULES:
+        if re.search(run, label) and re.search(pattern, test) and re.search(text, message):
+            return cls, why
+    if reference == outcome:
+        return "s", CLASSES["s"]
+    return "?", CLASSES["?"]
+
+
 # --- the driver ------------------------------------------------------------------------------
 
 
@@ -512,9 +576,9 @@ def counts(result: dict) -> dict:
 
 
 def differences(runs: dict) -> dict:
-    """{run: {test: (baseline outcome, outcome, message, reference outcome)}} for every test
-    whose outcome differs from the baseline's; the reference outcome is that of mlx-lm's own
-    cache of the same kind (``reference_for``), None when it did not run."""
+    """{run: {test: (baseline outcome, outcome, message, reference outcome, class, why)}} for
+    every test whose outcome differs from the baseline's; the reference outcome is that of
+    mlx-lm's own cache of the same kind (``reference_for``), None when it did not run."""
     base = runs[BASELINE]["outcomes"]
     out = {}
     for label, run in runs.items():
@@ -526,7 +590,8 @@ def differences(runs: dict) -> dict:
             b = base.get(test, ("absent", ""))
             r = run["outcomes"].get(test, ("absent", ""))
             if b[0] != r[0]:
-                diff[test] = (b[0], r[0], r[1] or b[1], None if ref is None else ref.get(test, ("absent",))[0])
+                message, reference = r[1] or b[1], None if ref is None else ref.get(test, ("absent",))[0]
+                diff[test] = (b[0], r[0], message, reference, *classify(label, test, message, reference, r[0]))
         out[label] = diff
     return out
 
@@ -565,11 +630,26 @@ def report(runs: dict, diffs: dict):
             d = diffs[lab].get(t)
             cells.append(SHORT[outcome] + ("*" if d and d[3] == d[1] else "") if d else "")
         print(f"| {t} | {SHORT[runs[BASELINE]['outcomes'].get(t, ('absent', ''))[0]]} | " + " | ".join(cells) + " |")
+    print("\n## Differences per class\n")
+    print("| run | " + " | ".join(f"({c}) {CLASSES[c]}" for c in CLASSES) + " |")
+    print("|---|" + "---|" * len(CLASSES))
+    for label in labels:
+        n = [sum(d[4] == c for d in diffs[label].values()) for c in CLASSES]
+        print(f"| {label} | " + " | ".join(map(str, n)) + " |")
+    whys = sorted({(d[4], d[5]) for diff in diffs.values() for d in diff.values()})
+    print("\n## Why, per class (differences per run)\n")
+    for cls, why in whys:
+        per = {lab: sum((d[4], d[5]) == (cls, why) for d in diffs[lab].values()) for lab in labels}
+        print(f"- ({cls}) {why}: " + ", ".join(f"{lab} {n}" for lab, n in per.items() if n))
+    unused = [why for _, why, *_ in RULES if why not in {w for _, w in whys}]
+    if unused:
+        print("\nRules that matched nothing in this campaign (fixed, or not run):\n")
+        print("\n".join(f"- {why}" for why in unused))
     print("\n## First error line of each difference\n")
     for label in labels:
-        for t, (b, r, message, ref) in diffs[label].items():
+        for t, (b, r, message, ref, cls, _) in diffs[label].items():
             same = f" (mlx-lm's own {reference_for(label)}: {ref})" if ref is not None else ""
-            print(f"- {label} {t}: {b} -> {r}{same}: {message}")
+            print(f"- ({cls}) {label} {t}: {b} -> {r}{same}: {message}")
 
 
 def main(argv=None):
@@ -582,7 +662,14 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=600, help="seconds per test (with pytest-timeout)")
     ap.add_argument("--hubless", action="store_true", help="also run the baseline without the stand-in model")
     ap.add_argument("--keep", default=None, help="work in this directory and keep it (default: a temporary one)")
+    ap.add_argument("--report", metavar="JSON", help="print the report of a saved campaign again, classified anew")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)["runs"]
+        runs = {lab: {"outcomes": {t: tuple(o) for t, o in r["outcomes"].items()}} for lab, r in saved.items()}
+        report(runs, differences(runs))
+        return
 
     for label in args.schemes:
         parse_run(label)  # a bad label fails before anything is downloaded
