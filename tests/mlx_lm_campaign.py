@@ -209,33 +209,27 @@ def install(label: str):
         if affine is not None:
             bits, group = affine
 
-            def quantized(model, max_kv_size):
+            def quantized(model, max_kv_size=None):
                 with _while_building():
                     caches = original(model, max_kv_size)
                 return [
                     c.to_quantized(group_size=group, bits=bits) if type(c) is mlx_cache.KVCache else c for c in caches
                 ]
 
-            def quantized_prompt_cache(model, max_kv_size=None):
-                return quantized(model, max_kv_size)
-
-            _replace_everywhere(original, quantized_prompt_cache, "make_prompt_cache")
+            _replace_everywhere(original, quantized, "make_prompt_cache")
             for cls in list(_model_classes()):
                 cls.make_cache = _SchemeMakeCache(vars(cls)["make_cache"], quantized)
         return
 
     import mlxkv
 
-    def build(model, max_kv_size):
+    def build(model, max_kv_size=None):
         size = run_size if max_kv_size is None else max_kv_size
         _built[0] += 1
         with _while_building():
             return mlxkv.make_cache(model, scheme, max_kv_size=size)
 
-    def make_prompt_cache(model, max_kv_size=None):
-        return build(model, max_kv_size)
-
-    _replace_everywhere(original, make_prompt_cache, "make_prompt_cache")
+    _replace_everywhere(original, build, "make_prompt_cache")
     for cls in list(_model_classes()):
         cls.make_cache = _SchemeMakeCache(vars(cls)["make_cache"], build)
     global _substitutes
