@@ -426,6 +426,8 @@ RULES = (
      r"test_merge_with_empty_caches", r"Tuples differ"),
     ("k", "point 4: mlxkv's ring is not an mlx-lm RotatingKVCache (isinstance, make_cache templates)", r"", r"",
      r"instance of <class 'mlx_lm\.models\.cache\.RotatingKVCache'>|asks for an mlx-lm RotatingKVCache"),
+    ("b", "max_kv_size rings a model's own full-attention layers too (mlx-lm ignores it for such a model)", A_RING,
+     r"test_pipeline_layer_indices", r"\[True, True\]"),
     ("k", "point 4: mlxkv's ring is not an mlx-lm RotatingKVCache (isinstance)", r"",
      r"test_pipeline_layer_indices", r""),
     ("a", "TurboQuant, TOVA and Q-Filters caches have no keys_and_values() (KV-shared layers call it)", r"", r"",
