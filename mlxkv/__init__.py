@@ -1,12 +1,6 @@
 """mlxkv: the state and persistence layer for MLX key/value caches."""
 
-from .caches.arrays import ArraysCache
-from .caches.compiled import CompiledDecoder, CompiledModel, compiled_model
-from .caches.plain import KVCache
-from .caches.qfilters import QFiltersKVCache
-from .caches.quantized import QuantizedKVCache
-from .caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
-from .caches.rows import (
+from .batched.rows import (
     extend,
     extend_model_rows,
     extract_model_row,
@@ -19,6 +13,12 @@ from .caches.rows import (
     trim_model_rows,
     trim_rows,
 )
+from .caches.arrays import ArraysCache
+from .caches.compiled import CompiledDecoder, CompiledModel, compiled_model
+from .caches.plain import KVCache
+from .caches.qfilters import QFiltersKVCache
+from .caches.quantized import QuantizedKVCache
+from .caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
 from .caches.schemes import make_cache
 from .caches.step_builders import decode_phase
 from .caches.tova import TOVAKVCache

@@ -18,7 +18,7 @@ An unknown kind is a bug, not a route: every lookup raises
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .errors import UnknownKindError, UnsupportedKindError
+from .errors import MLXKVError, UnknownKindError, UnsupportedKindError
 
 #: field types of header entries: an integer >= 0, +1 or -1, a JSON bool
 COUNT, SIGN, FLAG = "count", "sign", "flag"
@@ -167,6 +167,24 @@ def step_builder(kind: str) -> Callable | None:
     if isinstance(kind, str) and kind.startswith(BATCHED_PREFIX):
         return family_of_batched_kind(kind).batched_decode_step
     return family_of_kind(kind).decode_step
+
+
+_ROW_MERGE: list[Callable] = []
+
+
+def register_row_merge(merge: Callable) -> None:
+    """Install the batched layer's ``merge_rows`` (``mlxkv.batched.rows``), registered with
+    the kind records when ``mlxkv`` is imported. A serial cache's ``merge`` (mlx-lm's batching
+    entry point) calls it through :func:`row_merge`: the live caches sit below the batched
+    layouts and never import them."""
+    _ROW_MERGE[:] = [merge]
+
+
+def row_merge() -> Callable:
+    """The registered ``merge_rows(rows) -> batched cache``."""
+    if not _ROW_MERGE:
+        raise MLXKVError("no batched layout is registered: import mlxkv (it registers the kind records) first")
+    return _ROW_MERGE[0]
 
 
 def scheme_families() -> list[Family]:

@@ -86,7 +86,59 @@ def test_imports_only_go_down(path):
 
 def test_the_walk_sees_relative_and_function_level_imports(tmp_path):
     """The checker itself: an upward import inside a function is found."""
-    found = {t: n for n, t in imports_of(PACKAGE / "caches" / "base.py")}
-    assert "mlxkv.caches.rows" in found  # `from .rows import merge_rows`, inside a method
+    found = {t: n for n, t in imports_of(PACKAGE / "codecs" / "plain.py")}
+    assert "mlxkv.caches.plain" in found  # `from ..caches.plain import KVCache`, inside a method
     assert layer_of("mlxkv.formats.mlxkv") > layer_of("mlxkv.caches.base")
     assert layer_of("mlxkv.store.store") > layer_of("mlxkv.session") > layer_of("mlxkv.state.identity")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every package module -> the package modules it imports (function-level imports too)."""
+    names = {module_name(p) for p in MODULES}
+    graph = {}
+    for path in MODULES:
+        me = module_name(path)
+        graph[me] = {t for _, t in imports_of(path) if t in names and t != me}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle():
+    """Within a folder as across folders, no module reaches itself through imports: a
+    reader can take the package bottom-up, one module at a time."""
+    assert import_circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"]]

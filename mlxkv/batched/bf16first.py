@@ -33,11 +33,11 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..caches.routed_reads import RoutedRead
-from ..caches.rows import merge_rows
 from ..caches.transition import Bf16FirstCache
 from ..errors import CacheConfigError
 from .attention import MlxLmRowSurgery, block_read, round_up
 from .columns import check_row
+from .rows import merge_rows
 
 
 def _i32(rows: np.ndarray) -> mx.array:

@@ -3,6 +3,7 @@
 import mlx.core as mx
 
 from ..errors import SchemeError
+from ..families import row_merge
 from .masks import ForwardMasks
 from .reads import NamedReads
 
@@ -79,9 +80,7 @@ class CacheContract(NamedReads):
     @classmethod
     def merge(cls, caches):
         """mlx-lm's batching entry point: an mlxkv row layout, never mlx-lm's kind-less one."""
-        from .rows import merge_rows  # rows dispatches on kinds and builds on this module
-
-        return merge_rows(caches)
+        return row_merge()(caches)
 
     def __repr__(self):
         return f"{type(self).__name__}(kind={self.kind!r}, offset={self.offset})"

@@ -10,6 +10,7 @@ codec module and one record here (or ``register_family`` from user code).
 from ..batched.arrays import arrays_rows
 from ..batched.formats import affine_ring_rows, affine_rows, plain_rows, ring_rows, turbo_rows
 from ..batched.qfilters import qfilters_rows
+from ..batched.rows import merge_rows
 from ..batched.step_builders import batched_attention_step, eviction_batch_step
 from ..batched.tova import tova_rows
 from ..caches.arrays import ArraysCache
@@ -34,7 +35,7 @@ from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
-from ..families import Family, register_family
+from ..families import Family, register_family, register_row_merge
 
 PLAIN = Family(
     kind=KVCache.kind,
@@ -101,3 +102,4 @@ FAMILIES = [PLAIN, AFFINE, RING, AFFINE_RING, RECURRENT, TURBO, TOVA, QFILTERS]
 
 for _family in FAMILIES:
     register_family(_family)
+register_row_merge(merge_rows)

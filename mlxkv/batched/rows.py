@@ -6,7 +6,7 @@ own position (``offset`` is a per-row array, as in mlx-lm's batch caches). Batch
 have their own kinds (``kv:batched-...``) and no codec: extract rows before saving.
 
 The layout a row gets is its family's (``mlxkv.families``: ``rows(serial) -> row format``,
-whose ``merge(rows)`` builds the batch; the layouts live in ``mlxkv.batched``). A kind no
+whose ``merge(rows)`` builds the batch; the layouts live beside this module). A kind no
 family handles raises :class:`~mlxkv.errors.UnknownKindError` naming it. Bf16-first rows
 (``Bf16FirstCache``) join a batch of their target's layout, each row in its own precision
 until its own start.
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..caches.plain import KVCache
+from ..caches.transition import Bf16FirstCache
 from ..errors import CacheConfigError, MLXKVError
 from ..families import family_of_batched_kind, family_of_kind, kind_of
-from .plain import KVCache
-from .transition import Bf16FirstCache
 
 
 def is_row_batch(cache) -> bool:
