@@ -142,7 +142,7 @@ def test_update_and_fetch_returns_the_codes_or_the_decoded_window():
     k, v = kv(6, dtype=mx.bfloat16)
     keys, values = TurboQuantKVCache(4, 4).update_and_fetch(k, v)
     assert isinstance(keys, CodesWindow) and keys is values and (keys.k_bits, keys.v_bits) == (4, 4)
-    assert stored_equal(keys.stored, tq.encode(k, v, 4, 4))  # the stored arrays, nothing decoded
+    assert keys.rows == 6 and stored_equal([a[..., :6, :] for a in keys.stored], tq.encode(k, v, 4, 4))  # as stored
     c = TurboQuantKVCache(4, 4, codes=False)
     dk, dv = c.update_and_fetch(k, v)
     assert dk.dtype == dv.dtype == mx.bfloat16 and dk.shape == k.shape
@@ -153,6 +153,30 @@ def test_update_and_fetch_returns_the_codes_or_the_decoded_window():
 
 
 # -- reads ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (2, 5)])
+def test_a_decode_step_reads_the_whole_buffer_as_it_would_read_the_exact_rows(kb, vb):
+    """The codes window of a decode step is the cache's buffer (no slice to copy), its rows
+    past ``offset`` masked (zeros, or positions trimmed away): the same floats as attending
+    exactly the stored positions, at every fill of a 256-row step."""
+    c = TurboQuantKVCache(kb, vb)
+    k, v = kv(700, d=128, H=2, dtype=mx.bfloat16)
+    c.update_and_fetch(k[:, :, :600], v[:, :, :600])
+    c.trim(100)  # rows 500..599 keep trimmed positions' codes
+    for n in (1, 255, 256, 257, 511, 512, 513):
+        c.trim(c.offset)
+        if n > 1:
+            c.update_and_fetch(k[:, :, : n - 1], v[:, :, : n - 1])
+        keys, values = c.update_and_fetch(k[:, :, n - 1 : n], v[:, :, n - 1 : n])
+        assert keys is values and keys.rows == n and keys.stored[0].shape[2] > n
+        q = mx.random.normal((1, 6, 1, 128), key=mx.random.key(n)).astype(mx.bfloat16)
+        exact = CodesWindow(tuple(c.state), kb, vb)
+        assert mx.array_equal(keys.attend(q, 0.1, None), exact.attend(q, 0.1, None)), n
+    q = mx.random.normal((1, 6, 3, 128), key=mx.random.key(1)).astype(mx.bfloat16)  # a block: sliced
+    keys, _ = c.update_and_fetch(k[:, :, 600:603], v[:, :, 600:603])
+    exact = CodesWindow(tuple(c.state), kb, vb)
+    assert mx.array_equal(keys.attend(q, 0.1, "causal"), exact.attend(q, 0.1, "causal"))
 
 
 @pytest.mark.parametrize("kb,vb", [(8, 3), (4, 2), (5, 8)])

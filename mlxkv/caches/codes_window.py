@@ -17,17 +17,32 @@ from .routed_reads import RoutedRead
 
 @dataclass(frozen=True, eq=False)
 class CodesWindow(RoutedRead):
-    """``stored``: ``(kIdx, kScales, kZeros, vPacked, vScales)``, each ``[B, H, T, width]``."""
+    """``stored``: ``(kIdx, kScales, kZeros, vPacked, vScales)``, each ``[B, H, T, width]``;
+    only the first ``rows`` rows hold positions (None: all of them).
+
+    A cache hands its whole buffer with ``rows`` set, so a decode step reads the arrays as
+    they are: a slice of them (a view across the heads' strides) would be copied by the
+    first product that reads it. One query position unmasked attends the first ``rows``
+    with the rest masked, which gives the same floats as attending exactly those rows (the
+    masked scores are exactly zero after the softmax, and add nothing), as the compiled
+    step does; any other query is attended over the sliced rows."""
 
     stored: tuple
     k_bits: int
     v_bits: int
+    rows: int | None = None
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
-        return tqa.attend(queries, self.stored, self.k_bits, self.v_bits, scale, mask)
+        stored, rows = self.stored, self.rows
+        if rows is not None and rows < stored[0].shape[2]:
+            if mask is None and queries.shape[2] == 1:
+                mask = mx.arange(stored[0].shape[2]) < rows
+            else:
+                stored = tuple(a[..., :rows, :] for a in stored)
+        return tqa.attend(queries, stored, self.k_bits, self.v_bits, scale, mask)
 
 
-def window(stored, k_bits: int, v_bits: int) -> tuple[CodesWindow, CodesWindow]:
+def window(stored, k_bits: int, v_bits: int, rows: int | None = None) -> tuple[CodesWindow, CodesWindow]:
     """The stored arrays as the (keys, values) pair a codes read returns: one window, twice."""
-    w = CodesWindow(tuple(stored), k_bits, v_bits)
+    w = CodesWindow(tuple(stored), k_bits, v_bits, rows)
     return w, w

@@ -183,7 +183,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         the input dtype (``codes=False``)."""
         self._append(keys, values)
         if self.codes:
-            return codes_window.window(self._live(), self.k_bits, self.v_bits)
+            return codes_window.window(self.storage, self.k_bits, self.v_bits, self.offset)
         return self._decoded(keys.dtype, rotated=False)
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
