@@ -32,6 +32,9 @@ class CodesWindow(RoutedRead):
     v_bits: int
     rows: int | None = None
 
+    def taken(self, rows: mx.array) -> "CodesWindow":
+        return CodesWindow(tuple(mx.take(a, rows, axis=0) for a in self.stored), self.k_bits, self.v_bits, self.rows)
+
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
         stored, rows = self.stored, self.rows
         if rows is not None and rows < stored[0].shape[2]:
