@@ -9,13 +9,16 @@ the clock starts), then times, in a shuffled order within each pair:
   fsync of the file, against ``mlxkv.save`` (atomic: temporary file, fsync, rename, fsync of
   the directory; every tensor's CRC-32 taken);
 - load from the page cache (the file just saved): ``load_prompt_cache`` against
-  ``mlxkv.load`` (every CRC-32 verified), every restored array evaluated; then the same
+  ``mlxkv.load`` (every CRC-32 verified, and once not), every restored array evaluated; then the same
   followed by the first decode append; and from the disk (the file evicted from the page
   cache first, posix_fadvise), as a resume on a fresh machine.
 
 Each pair's result is the per-round ratio mlxkv / mlx-lm (median and range over rounds:
 both sides of a round see the same machine), of wall time and of the process's CPU time
 (user + system, every thread), which the other jobs of a shared machine disturb far less.
+
+``--reused`` measures the way this benchmark used to: each side's caches built once by
+assigning the arrays (sized exactly, no ``update_and_fetch``) and saved again every round.
 
 Targets (issue 23, point 4): save <= 1.0x, verified load from the page cache <= 1.2x,
 the file = logical bytes + header.
@@ -47,6 +50,16 @@ def build_arrays(layers, heads, tokens, dim):
         mx.eval(k, v)
         out.append((k, v))
     return out
+
+
+def assigned_caches(cls, arrays):
+    """Caches holding ``arrays`` themselves, sized exactly (``--reused``)."""
+    caches = []
+    for k, v in arrays:
+        c = cls()
+        c.keys, c.values, c.offset = k, v, k.shape[2]
+        caches.append(c)
+    return caches
 
 
 def fresh_caches(cls, arrays):
@@ -96,7 +109,8 @@ def cpu_seconds() -> float:
 
 
 class Side:
-    """One contender: how it builds caches, saves, loads."""
+    """One contender: how it builds caches, saves, loads (``load(verify)``: mlx-lm has no
+    checksums to verify)."""
 
     def __init__(self, name, cache_class, save, load, path):
         self.name, self.cache_class, self.save, self.load, self.path = name, cache_class, save, load, path
@@ -111,9 +125,13 @@ def sides(workdir, tokens):
         fsync_path(lm)
 
     return {
-        "mlx_lm": Side("mlx_lm", mlx_cache.KVCache, lm_save, lambda: mlx_cache.load_prompt_cache(lm), lm),
+        "mlx_lm": Side("mlx_lm", mlx_cache.KVCache, lm_save, lambda verify: mlx_cache.load_prompt_cache(lm), lm),
         "mlxkv": Side(
-            "mlxkv", mlxkv.KVCache, lambda caches: mlxkv.save(kv, caches, tokens), lambda: mlxkv.load(kv).caches, kv
+            "mlxkv",
+            mlxkv.KVCache,
+            lambda caches: mlxkv.save(kv, caches, tokens),
+            lambda verify: mlxkv.load(kv, verify=verify).caches,
+            kv,
         ),
     }
 
@@ -134,19 +152,20 @@ def run(args):
     tokens = list(range(args.tokens))
     workdir = tempfile.mkdtemp(prefix="mlxkv-bench-", dir=args.dir)
     contenders = sides(workdir, tokens)
+    reused = {name: assigned_caches(s.cache_class, arrays) for name, s in contenders.items()} if args.reused else None
 
     def save_task(side, present):
         def prepare():
-            caches = fresh_caches(side.cache_class, arrays)
+            caches = reused[side.name] if reused else fresh_caches(side.cache_class, arrays)
             if not present and os.path.exists(side.path):
                 os.unlink(side.path)
             return caches
 
         return lambda: measured(side.save, prepare)
 
-    def load_task(side, then_append=False, cold=False):
+    def load_task(side, then_append=False, cold=False, verify=True):
         def fn(_):
-            caches = evaluated(side.load())
+            caches = evaluated(side.load(verify))
             if then_append:
                 append_one(caches)
 
@@ -156,6 +175,7 @@ def run(args):
         "save, file absent": lambda s: save_task(s, False),
         "save, file present": lambda s: save_task(s, True),
         "load, page cache": lambda s: load_task(s),
+        "load, page cache, checksums not verified": lambda s: load_task(s, verify=False),
         "load then first append, page cache": lambda s: load_task(s, then_append=True),
         "load, from disk": lambda s: load_task(s, cold=True),
     }
@@ -174,7 +194,7 @@ def run(args):
                     wall[(pair, name)].append(w)
                     cpu[(pair, name)].append(c)
             print(f"round {r + 1}/{args.repeats} done, load average {os.getloadavg()[0]:.1f}", flush=True)
-        loaded = mlxkv.load(contenders["mlxkv"].path).caches
+        loaded = contenders["mlxkv"].load(True)
         same = all(
             mx.array_equal(c.keys[..., : c.offset, :], k).item()
             and mx.array_equal(c.values[..., : c.offset, :], v).item()
@@ -211,6 +231,7 @@ def run(args):
         "file_bytes": sizes,
         "mlxkv_header_bytes": header,
         "repeats": args.repeats,
+        "caches": "assigned once and reused (--reused)" if args.reused else "fresh every round (update_and_fetch)",
         "rows": rows,
         "targets_met": targets,
         "roundtrip_identical": bool(same),
@@ -221,14 +242,14 @@ def run(args):
 def print_result(res):
     c = res["cache"]
     print(
-        f"\n{c['layers']} layers x K,V {c['shape']} bf16 = {res['logical_bytes'] / 2**20:.0f} MiB; {res['repeats']} "
-        "rounds; per-round ratio mlxkv / mlx-lm: median [min-max]"
+        f"\n{c['layers']} layers x K,V {c['shape']} bf16 = {res['logical_bytes'] / 2**20:.0f} MiB, caches "
+        f"{res['caches']}; {res['repeats']} rounds; per-round ratio mlxkv / mlx-lm: median [min-max]"
     )
-    print(f"{'':38} {'mlx-lm ms':>10} {'mlxkv ms':>10} {'wall ratio':>20} {'cpu ratio':>20}")
+    print(f"{'':42} {'mlx-lm ms':>10} {'mlxkv ms':>10} {'wall ratio':>20} {'cpu ratio':>20}")
     for pair, r in res["rows"].items():
         w, cr = r["wall_ratio"], r["cpu_ratio"]
         print(
-            f"{pair:38} {r['mlx_lm_seconds']['median'] * 1e3:10.1f} {r['mlxkv_seconds']['median'] * 1e3:10.1f} "
+            f"{pair:42} {r['mlx_lm_seconds']['median'] * 1e3:10.1f} {r['mlxkv_seconds']['median'] * 1e3:10.1f} "
             f"{w['median']:8.2f} [{w['min']:.2f}-{w['max']:.2f}] {cr['median']:8.2f} [{cr['min']:.2f}-{cr['max']:.2f}]"
         )
     print(
@@ -247,6 +268,7 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--dir", default=None, help="where the files are written (default: the system's temp dir)")
+    p.add_argument("--reused", action="store_true", help="caches assigned once and saved again every round")
     p.add_argument("--out", default=None, help="default: benchmarks/results/snapshot_io.json")
     args = p.parse_args(argv)
     res = run(args)
