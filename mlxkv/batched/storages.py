@@ -94,7 +94,7 @@ class AffineStorage(ShowsTuple):
 
 
 @dataclass(frozen=True)
-class TurboStorage(ShowsTuple):
+class TurboStorage(ShowsTuple, codes_window.CodesReader):
     """TurboQuant's five arrays: keys (kIdx, kScales, kZeros), values (vPacked, vScales).
     mlx-lm attends the codes (``codes``) or the eager decode; all-zero padding codes decode
     to zeros (and are masked either way)."""
@@ -105,15 +105,6 @@ class TurboStorage(ShowsTuple):
     affine = False
     key_fills = (0, 0, 0)
     value_fills = (0, 0)
-    group_size = tq.GROUP
-
-    @property
-    def quantized_window(self) -> bool:
-        return self.codes
-
-    @property
-    def bits(self) -> int:
-        return self.k_bits
 
     def encode_keys(self, x):
         idx, scales, zeros = tq.encode_keys(x, self.k_bits)

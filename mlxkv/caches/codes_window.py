@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..math import turboquant as tq
 from ..math import turboquant_attention as tqa
 from .routed_reads import RoutedRead
 
@@ -43,6 +44,22 @@ class CodesWindow(RoutedRead):
             else:
                 stored = tuple(a[..., :rows, :] for a in stored)
         return tqa.attend(queries, stored, self.k_bits, self.v_bits, scale, mask)
+
+
+class CodesReader:
+    """Mixin of a TurboQuant store or storage with ``k_bits``, ``v_bits`` and ``codes``: its
+    window is a quantized window (mlx-lm routes on ``bits``) when it reads the codes, named by
+    kBits and the 32-group."""
+
+    group_size = tq.GROUP
+
+    @property
+    def quantized_window(self) -> bool:
+        return self.codes
+
+    @property
+    def bits(self) -> int:
+        return self.k_bits
 
 
 def window(stored, k_bits: int, v_bits: int, rows: int | None = None) -> tuple[CodesWindow, CodesWindow]:

@@ -103,7 +103,7 @@ class AffineStore:
 
 
 @dataclass(frozen=True)
-class TurboStore:
+class TurboStore(codes_window.CodesReader):
     """TurboQuant's five code arrays with the new position's codes written at the traced row:
     attended as codes (``codes``: the stand-in shows ``bits``, as the eager cache does) or
     decoded in the new keys' dtype (the exact read). The commit appends through the cache,
@@ -113,15 +113,6 @@ class TurboStore:
     v_bits: int
     codes: bool = True
     width = 5  # all five arrays travel on the "keys" side; the values side is empty
-    group_size = tq.GROUP
-
-    @property
-    def quantized_window(self) -> bool:
-        return self.codes
-
-    @property
-    def bits(self) -> int:
-        return self.k_bits
 
     def join(self, keys, values, k, v, at):
         codes = tq.encode_codes(k, v, self.k_bits, self.v_bits, stacked=True)  # one position
