@@ -13,8 +13,6 @@ from mlx_lm.generate import BatchGenerator, batch_generate
 from serve_helpers import Running, openai_client, words
 
 import mlxkv
-from mlxkv.caches.codes_window import CodesWindow
-from mlxkv.math import turboquant as tq
 from mlxkv.models.seeded import build_model, prompt, tokenizer
 
 SCHEME = "turbo-k8v3"
@@ -23,25 +21,6 @@ SCHEME = "turbo-k8v3"
 @pytest.fixture(scope="module")
 def float32_llama():
     return build_model("llama", dtype=mx.float32)
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """``{"attend": n, "decode": n}``: codes attentions and window decodes since the start."""
-    counts = {"attend": 0, "decode": 0}
-    attend, decode = CodesWindow.attend, tq.decode
-
-    def counted_attend(window, *a, **k):
-        counts["attend"] += 1
-        return attend(window, *a, **k)
-
-    def counted_decode(*a, **k):
-        counts["decode"] += 1
-        return decode(*a, **k)
-
-    monkeypatch.setattr(CodesWindow, "attend", counted_attend)
-    monkeypatch.setattr(tq, "decode", counted_decode)
-    return counts
 
 
 def caches(model, codes=True):
@@ -64,11 +43,11 @@ def serial_text(model, codes, compiled=False, stream=False, p=PROMPTS[1], n=12):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("stream", [False, True], ids=["generate", "stream_generate"])
-def test_generate_and_stream_generate_attend_the_codes(float32_llama, counted, compiled, stream):
+def test_generate_and_stream_generate_attend_the_codes(float32_llama, codes_reads, compiled, stream):
     want = serial_text(float32_llama, False)
-    before = dict(counted)
+    before = dict(codes_reads)
     assert serial_text(float32_llama, True, compiled, stream) == want
-    assert counted["decode"] == before["decode"] and counted["attend"] > before["attend"]
+    assert codes_reads["decode"] == before["decode"] and codes_reads["attend"] > before["attend"]
 
 
 def batch_tokens(model, codes, compiled=False):
@@ -83,19 +62,19 @@ def batch_tokens(model, codes, compiled=False):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_batch_generator_attends_the_codes(float32_llama, counted, compiled):
+def test_batch_generator_attends_the_codes(float32_llama, codes_reads, compiled):
     want = batch_tokens(float32_llama, False)
-    before = dict(counted)
+    before = dict(codes_reads)
     assert batch_tokens(float32_llama, True, compiled) == want
-    assert counted["decode"] == before["decode"] and counted["attend"] > before["attend"]
+    assert codes_reads["decode"] == before["decode"] and codes_reads["attend"] > before["attend"]
     out = batch_generate(
         float32_llama, tokenizer(), PROMPTS, max_tokens=6, prompt_caches=[caches(float32_llama) for _ in PROMPTS]
     )
-    assert len(out.texts) == len(PROMPTS) and counted["decode"] == before["decode"]
+    assert len(out.texts) == len(PROMPTS) and codes_reads["decode"] == before["decode"]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_mlxkv_serve_attends_the_codes(llama_dir, counted, compiled):
+def test_mlxkv_serve_attends_the_codes(llama_dir, codes_reads, compiled):
     server = Running("--model", llama_dir, "--scheme", SCHEME, *(["--compiled"] if compiled else []))
     try:
         client = openai_client(server.port)
@@ -103,4 +82,4 @@ def test_mlxkv_serve_attends_the_codes(llama_dir, counted, compiled):
     finally:
         server.stop()
     assert out.choices[0].text
-    assert counted["decode"] == 0 and counted["attend"] > 0
+    assert codes_reads["decode"] == 0 and codes_reads["attend"] > 0
