@@ -5,12 +5,15 @@ Measured in one run, side by side:
      bf16 keys and values (tokens/s; MB/s counts the bf16 K+V bytes encoded or decoded;
      median and range of the repeats);
   2. one decode step of one attention layer (append one position + attention over the
-     window) at 1k/4k/16k context: plain bf16 ``KVCache`` against the TurboQuant eager read
-     (the exact path: decode the window, then SDPA), the deferred read and the read from the
-     codes (``codes=True``: no decoded window). Repeats are interleaved; each round gives
-     every contender's ratio to the bf16 step of the same round, reported as the median and
-     the range over rounds. The cache is trimmed back after every step so each repeat sees
-     the same context;
+     window) at 1k/4k/16k context, through mlx-lm's own attention
+     (``update_and_fetch``, then ``mlx_lm.models.base.scaled_dot_product_attention`` with the
+     cache, as every mlx-lm attention module calls it): plain bf16 ``KVCache`` against
+     TurboQuant's exact read (``codes=False``: the window decoded, then the dense kernel) and
+     its codes read (the default: no decoded window); and the deferred named read
+     (``append_decode(...).attend``). Repeats are interleaved; each round gives every
+     contender's ratio to the bf16 step of the same round, reported as the median and the
+     range over rounds. The cache is trimmed back after every step so each repeat sees the
+     same context;
   3. stored bytes per token and kv head, against bf16's 4*D;
   4. the KL divergence KL(bf16 || turbo) of the next-token distributions on the seeded
      models (bf16-first schemes ``turbo-k<k>v<v>``: prefill attended in bf16, then teacher-forced
@@ -18,8 +21,8 @@ Measured in one run, side by side:
      numbers rank the configurations, they do not predict a trained model's quality.
 
   5. logits of the codes read against the exact read on the seeded models (teacher-forced
-     decode steps through a named-read attention site): the largest difference, and whether
-     the greedy tokens agree.
+     decode steps through mlx-lm's own attention): the largest difference, and whether the
+     greedy tokens agree.
 
 Usage: python -m benchmarks.turboquant [--heads 8 --q-heads 32 --dim 128 --contexts 1024 4096 16384
                                         --repeats 9 --codec-tokens 2048 --kl-prefill 32 --kl-steps 32]
@@ -30,13 +33,14 @@ import statistics
 import time
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from benchmarks.common import median_seconds, write_result
 from mlxkv import KVCache, TurboQuantKVCache
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
 from mlxkv.models.seeded import build_model, prompt
-from mlxkv.quality import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs
+from mlxkv.quality import greedy_flips, teacher_forced_logprobs
 
 PAIRS = [(k, v) for k in tq.K_BITS for v in tq.V_BITS]
 STEP_PAIRS = [(8, 3), (4, 2)]
@@ -90,27 +94,30 @@ def step_contenders(heads, q_heads, dim, context, kb, vb):
         src.update_and_fetch(k, v)
         return make(src)
 
-    plain = filled(lambda c: c)
-    turbo = {
-        "eager": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=False)),
-        "deferred": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=True)),
-        "codes": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, codes=True)),
+    caches = {
+        "bf16": filled(lambda c: c),
+        "eager": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, codes=False)),
+        "deferred": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb, deferred=True, codes=False)),
+        "codes": filled(lambda c: TurboQuantKVCache.from_cache(c, kb, vb)),
     }
-    mx.eval(plain.keys, [c.storage for c in turbo.values()])
+    mx.eval([c.state for c in caches.values()])
 
-    def bf16_step():
-        kk, vv = plain.update_and_fetch(k1, v1)
-        mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=None))
-        plain.trim(1)
+    def mlx_lm_step(cache):
+        def step():  # what an mlx-lm attention module does with its cache
+            keys, values = cache.update_and_fetch(k1, v1)
+            mx.eval(scaled_dot_product_attention(q, keys, values, cache=cache, scale=scale, mask=cache.make_mask(1)))
+            cache.trim(1)
 
-    def turbo_step(cache):
+        return step
+
+    def named_step(cache):
         def step():
             mx.eval(cache.append_decode(k1, v1).attend(q, scale))
             cache.trim(1)
 
         return step
 
-    return {"bf16": bf16_step, **{name: turbo_step(c) for name, c in turbo.items()}}
+    return {name: (named_step if name == "deferred" else mlx_lm_step)(c) for name, c in caches.items()}
 
 
 def decode_steps(heads, q_heads, dim, contexts, repeats):
@@ -196,15 +203,15 @@ def kl_rows(prefill, steps):
 # -- 5. the codes read against the exact read on the seeded models -----------------------
 
 
-def site_caches(model, kb, vb, codes):
-    """TurboQuant from token zero on the full-attention layers, behind named-read sites: the
-    exact read (``codes=False``) or the codes read."""
+def turbo_caches(model, kb, vb, codes):
+    """TurboQuant from token zero on the full-attention layers, read by mlx-lm's own
+    attention: the exact read (``codes=False``) or the codes read."""
     caches = []
     for c in make_cache(model, "bf16"):
         if c.kind == "kv:plain":
-            t = TurboQuantKVCache(kb, vb, deferred=False, codes=codes)
+            t = TurboQuantKVCache(kb, vb, codes=codes)
             t.masks = c.masks
-            c = NamedReadSite(t)
+            c = t
         caches.append(c)
     return caches
 
@@ -216,27 +223,26 @@ def codes_rows(prefill, steps):
     in the seeded models' bfloat16 and in float32."""
     rows = []
     tokens = prompt(prefill + steps, seed=12)
-    with named_read_attention():
-        for dtype in ("bfloat16", "float32"):
-            for arch in ("llama", "gemma3", "hybrid"):
-                model = build_model(arch, dtype=getattr(mx, dtype))
-                for kb, vb in STEP_PAIRS:
-                    exact, fast = (
-                        teacher_forced_logprobs(model, site_caches(model, kb, vb, c), tokens, prefill)
-                        for c in (False, True)
-                    )
-                    gaps = greedy_flips(exact, fast)
-                    rows.append(
-                        {
-                            "dtype": dtype,
-                            "model": arch,
-                            "kBits": kb,
-                            "vBits": vb,
-                            "max_abs_logprob_diff": mx.abs(exact - fast).max().item(),
-                            "greedy_differs": len(gaps),
-                            "largest_margin_where_differs": max(gaps, default=None),
-                        }
-                    )
+    for dtype in ("bfloat16", "float32"):
+        for arch in ("llama", "gemma3", "hybrid"):
+            model = build_model(arch, dtype=getattr(mx, dtype))
+            for kb, vb in STEP_PAIRS:
+                exact, fast = (
+                    teacher_forced_logprobs(model, turbo_caches(model, kb, vb, c), tokens, prefill)
+                    for c in (False, True)
+                )
+                gaps = greedy_flips(exact, fast)
+                rows.append(
+                    {
+                        "dtype": dtype,
+                        "model": arch,
+                        "kBits": kb,
+                        "vBits": vb,
+                        "max_abs_logprob_diff": mx.abs(exact - fast).max().item(),
+                        "greedy_differs": len(gaps),
+                        "largest_margin_where_differs": max(gaps, default=None),
+                    }
+                )
     return {"prefill": prefill, "steps": steps, "rows": rows}
 
 
@@ -272,8 +278,9 @@ def print_codec(res):
 def print_steps(res):
     s = res["decode_step"]
     print(
-        f"\nDecode step, one layer ({s['heads']} kv heads, {s['q_heads']} q heads, D={s['head_dim']}): "
-        f"median ms over {s['repeats']} interleaved rounds; ratio to bf16 median [min-max over rounds]"
+        f"\nDecode step, one layer ({s['heads']} kv heads, {s['q_heads']} q heads, D={s['head_dim']}), through "
+        f"mlx-lm's attention (deferred: the named read): median ms over {s['repeats']} interleaved rounds; "
+        "ratio to bf16 median [min-max over rounds]"
     )
     print(
         f"{'ctx':>6} {'k/v':>5} "

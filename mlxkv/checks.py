@@ -26,6 +26,17 @@ def is_count32(value: Any) -> bool:
     return is_int(value) and 0 <= value <= INT32_MAX
 
 
+def is_count32_list(value: Any) -> bool:
+    """A list whose every element passes :func:`is_count32` (a snapshot's tokens): exact
+    ints are checked at C speed (their types, then the smallest and largest), anything
+    else element by element."""
+    if type(value) is not list:
+        return False
+    if set(map(type, value)) <= {int}:
+        return not value or (min(value) >= 0 and max(value) <= INT32_MAX)
+    return all(is_count32(v) for v in value)
+
+
 def is_int_list(value: Any) -> bool:
     """A list whose every element is an integer (not a bool)."""
     return isinstance(value, list) and all(is_int(v) for v in value)

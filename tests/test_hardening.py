@@ -210,6 +210,9 @@ def test_a_huge_ssm_size_is_refused_before_anything_is_built(models, tmp_path):
         (lambda h: h["caches"][0].update(minimumReusableOffset=True), "minimumReusableOffset must be"),
         (lambda h: h["tokens"].__setitem__(0, -1), "tokens must be a list of token ids"),
         (lambda h: h["tokens"].__setitem__(0, 2**31), "tokens must be a list of token ids"),
+        (lambda h: h["tokens"].__setitem__(5, True), "tokens must be a list of token ids"),
+        (lambda h: h["tokens"].__setitem__(5, 3.0), "tokens must be a list of token ids"),
+        (lambda h: h.update(tokens={"0": 1}), "tokens must be a list of token ids"),
         (lambda h: h["caches"][0]["tensors"][1]["shape"].__setitem__(0, True), "header says BF16 \\[True"),
     ],
 )

@@ -70,10 +70,15 @@ class HalfStorage:
 
     encode_values = encode_keys
 
-    def fetch_keys(self, t, dtype=None):
+    quantized_window = False
+
+    def fetch(self, keys, values, dtype=None):
+        return self.decode_keys(keys, dtype), self.decode_values(values, dtype)
+
+    def decode_keys(self, t, dtype=None):
         return t[0].astype(dtype or mx.bfloat16)
 
-    fetch_values = decode_keys = decode_values = fetch_keys
+    decode_values = decode_keys
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,14 @@ class HalfStore:
     """The toy's compiled-decode store: float16 rows, attended in the new keys' dtype."""
 
     width = 1
+    quantized_window = False  # arrays: mlx-lm's dense kernel
 
     def join(self, keys, values, k, v, at):
         put = lambda a, x: mx.slice_update(a, x.astype(mx.float16), at, axes=(2,)).astype(x.dtype)
         return put(keys[0], k), put(values[0], v)
+
+    def written(self, wk, wv):
+        return wk, wv
 
 
 def half_decode_step(cache):

@@ -114,17 +114,18 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         cut = lambda t: self.fmt.storage.shown(tuple(a[..., : self.cols.idx, :] for a in t))
         return cut(self.key_arrays), cut(self.value_arrays)
 
-    # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown by affine rows only
+    # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown by rows whose window is
+    # a quantized window (affine triples, TurboQuant codes)
     @property
     def bits(self) -> int:
-        if not self.fmt.storage.affine:
-            raise AttributeError(f"bits: {self.kind} rows are not affine triples")
+        if not self.fmt.storage.quantized_window:
+            raise AttributeError(f"bits: {self.kind} rows are not read as a quantized window")
         return self.fmt.storage.bits
 
     @property
     def group_size(self) -> int:
-        if not self.fmt.storage.affine:
-            raise AttributeError(f"group_size: {self.kind} rows are not affine triples")
+        if not self.fmt.storage.quantized_window:
+            raise AttributeError(f"group_size: {self.kind} rows are not read as a quantized window")
         return self.fmt.storage.group_size
 
     # -- mlx-lm's right-padded prefill ----------------------------------------------------
@@ -237,10 +238,10 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
 
     def _window(self, lo: int, idx: int, dtype):
         """What the attention of this append reads: the stored columns ``[lo, idx)`` as the
-        storage fetches them (affine triples: mlx-lm's quantized SDPA)."""
+        storage fetches them (affine triples, TurboQuant codes: mlx-lm's quantized SDPA)."""
         st = self.fmt.storage
         cut = lambda t: tuple(a[..., lo:idx, :] for a in t)
-        return st.fetch_keys(cut(self.key_arrays), dtype), st.fetch_values(cut(self.value_arrays), dtype)
+        return st.fetch(cut(self.key_arrays), cut(self.value_arrays), dtype)
 
     # -- contract -----------------------------------------------------------------------
     @property

@@ -11,10 +11,11 @@ reached their start convert (``PendingConversion.due``, per row: the serial cach
 leaving ``bf16``; when none is left the batch is exactly its target.
 
 Each row attends with the arithmetic its serial twin uses. A converted row attends the
-target's read (mlx-lm's quantized SDPA over affine triples, the dense kernel over decoded
-TurboQuant codes); a row short of its start attends its bf16 positions through the dense
-kernel. When the target is attended by the dense kernel too, one window holds both (the
-unconverted rows' bf16 columns in place of their codes); when it is not, the read is a
+target's read (mlx-lm's quantized SDPA over affine triples or TurboQuant codes; the dense
+kernel over TurboQuant's decoded window with ``codes=False``); a row short of its start
+attends its bf16 positions through the dense kernel. When the target is attended by the
+dense kernel too, one window holds both (the unconverted rows' bf16 columns in place of their
+codes); when it is not, the read is a
 :class:`PrecisionSplit`, which mlx-lm's attention hands back to mlxkv
 (``caches.routed_reads``): the converted rows through the target's attention, the others
 through the dense kernel. Either way every row's logits are its serial twin's, bit for bit.
@@ -52,6 +53,13 @@ def _mask_rows(mask, rows: mx.array, width: int | None = None):
     return mask if width is None else mask[..., mask.shape[-1] - width :]
 
 
+def _taken(window, rows: mx.array):
+    """``rows`` of the target's window: each array of affine triples, a routed read's own."""
+    if isinstance(window, RoutedRead):
+        return window.taken(rows)
+    return tuple(mx.take(a, rows, axis=0) for a in window)
+
+
 @dataclass(frozen=True, eq=False)
 class PrecisionSplit(RoutedRead):
     """A mixed batch's read, split by precision: the ``converted`` rows attend the target's
@@ -81,10 +89,11 @@ class PrecisionSplit(RoutedRead):
         if self.converted.size == 0:
             return own
         rows = self.converted
+        keys = _taken(self.keys, rows)
         codes = scaled_dot_product_attention(
             take(queries, rows),
-            tuple(take(a, rows) for a in self.keys),
-            tuple(take(a, rows) for a in self.values),
+            keys,
+            keys if self.values is self.keys else _taken(self.values, rows),
             cache=self.target,
             scale=scale,
             mask=_mask_rows(mask, rows),

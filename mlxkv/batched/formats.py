@@ -84,7 +84,8 @@ class TurboRows(RowFormat):
     deferred: bool = True
 
     def empty(self):
-        return TurboQuantKVCache(self.storage.k_bits, self.storage.v_bits, self.deferred)
+        s = self.storage
+        return TurboQuantKVCache(s.k_bits, s.v_bits, self.deferred, codes=s.codes)
 
     def dtype_of(self, row):
         return row.dtype if row.storage is not None else None
@@ -120,4 +121,4 @@ def affine_ring_rows(row) -> RingRows:
 
 
 def turbo_rows(row) -> TurboRows:
-    return TurboRows(TurboStorage(row.k_bits, row.v_bits), row.deferred)
+    return TurboRows(TurboStorage(row.k_bits, row.v_bits, row.codes), row.deferred)

@@ -129,7 +129,7 @@ class BatchedStepCache:
         self.keys, self.values = keys, values
         self.dtype = None
         st = layout.storage
-        if st.affine:  # mlx-lm routes on hasattr(cache, "bits"): its quantized SDPA, as eagerly
+        if st.quantized_window:  # mlx-lm routes on hasattr(cache, "bits"), as eagerly
             self.bits, self.group_size = st.bits, st.group_size
 
     def update_and_fetch(self, keys, values):
@@ -143,7 +143,7 @@ class BatchedStepCache:
         self.values = tuple(put(a, x) for a, x in zip(self.values, st.encode_values(values)))
         self.dtype = keys.dtype
         attended = lambda t: tuple(a[..., : self.layout.phase.rows, :] for a in t)
-        return st.fetch_keys(attended(self.keys), keys.dtype), st.fetch_values(attended(self.values), keys.dtype)
+        return st.fetch(attended(self.keys), attended(self.values), keys.dtype)
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False, **_):
         if N != 1:

@@ -2,9 +2,11 @@
 decodes them for block reads; their fill values pad rows.
 
 - ``encode_keys``/``encode_values``: new positions ``[B, H, N, D]`` -> the stored tuple;
-- ``fetch_keys``/``fetch_values``: the stored tuple -> what ``update_and_fetch`` returns (the
-  arrays for plain rows, the affine triple so mlx-lm takes its quantized SDPA, decoded keys
-  for TurboQuant);
+- ``fetch``: the stored key and value tuples -> the (keys, values) ``update_and_fetch``
+  returns: the arrays for plain rows; for affine rows the triples and for TurboQuant rows
+  their codes (``codes``; decoded with ``codes=False``), which mlx-lm hands to its quantized
+  SDPA: ``quantized_window`` says so, and such a storage names its ``bits`` and
+  ``group_size``;
 - ``decode_keys``/``decode_values``: the stored tuple -> dense arrays;
 - ``shown``/``replaced``: the stored tuple as mlx-lm shows a cache's ``keys``/``values``
   (one array, or a tuple where mlx-lm's own cache holds one), and the tuple with that
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..caches import codes_window
 from ..math import bitpack
 from ..math import turboquant as tq
 
@@ -43,6 +46,7 @@ class ShowsTuple:
 @dataclass(frozen=True)
 class PlainStorage(ShowsFirstArray):
     affine = False
+    quantized_window = False
     key_fills = value_fills = (0,)
 
     def encode_keys(self, x):
@@ -50,10 +54,13 @@ class PlainStorage(ShowsFirstArray):
 
     encode_values = encode_keys
 
-    def fetch_keys(self, t, dtype=None):
+    def fetch(self, keys, values, dtype=None):
+        return keys[0], values[0]
+
+    def decode_keys(self, t, dtype=None):
         return t[0]
 
-    fetch_values = decode_keys = decode_values = fetch_keys
+    decode_values = decode_keys
 
     def head_dim(self, keys) -> int:
         return keys[0].shape[3]
@@ -66,6 +73,7 @@ class AffineStorage(ShowsTuple):
     bits: int
     group_size: int
     affine = True
+    quantized_window = True
     key_fills = value_fills = (0, 0, 0)
 
     def encode_keys(self, x):
@@ -73,10 +81,8 @@ class AffineStorage(ShowsTuple):
 
     encode_values = encode_keys
 
-    def fetch_keys(self, t, dtype=None):
-        return t
-
-    fetch_values = fetch_keys
+    def fetch(self, keys, values, dtype=None):
+        return keys, values
 
     def decode_keys(self, t, dtype=None):
         return mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
@@ -88,12 +94,14 @@ class AffineStorage(ShowsTuple):
 
 
 @dataclass(frozen=True)
-class TurboStorage(ShowsTuple):
+class TurboStorage(ShowsTuple, codes_window.CodesReader):
     """TurboQuant's five arrays: keys (kIdx, kScales, kZeros), values (vPacked, vScales).
-    mlx-lm attends the eager decode; all-zero padding codes decode to zeros."""
+    mlx-lm attends the codes (``codes``) or the eager decode; all-zero padding codes decode
+    to zeros (and are masked either way)."""
 
     k_bits: int
     v_bits: int
+    codes: bool = True
     affine = False
     key_fills = (0, 0, 0)
     value_fills = (0, 0)
@@ -116,7 +124,10 @@ class TurboStorage(ShowsTuple):
         d = scales.shape[-1] * tq.GROUP
         return tq.decode_values(bitpack.unpack(packed, self.v_bits, d), scales, self.v_bits).astype(dtype)
 
-    fetch_keys, fetch_values = decode_keys, decode_values
+    def fetch(self, keys, values, dtype=mx.bfloat16):
+        if self.codes:
+            return codes_window.window((*keys, *values), self.k_bits, self.v_bits)
+        return self.decode_keys(keys, dtype), self.decode_values(values, dtype)
 
     def head_dim(self, keys) -> int:
         return keys[1].shape[3] * tq.GROUP
@@ -129,6 +140,7 @@ class EvictionStorage(ShowsFirstArray):
 
     scored: bool
     affine = False
+    quantized_window = False
     value_fills = (0,)
 
     @property
@@ -140,10 +152,13 @@ class EvictionStorage(ShowsFirstArray):
 
     encode_values = encode_keys
 
-    def fetch_keys(self, t, dtype=None):
+    def fetch(self, keys, values, dtype=None):
+        return keys[0], values[0]
+
+    def decode_keys(self, t, dtype=None):
         return t[0]
 
-    fetch_values = decode_keys = decode_values = fetch_keys
+    decode_values = decode_keys
 
     def head_dim(self, keys) -> int:
         return keys[0].shape[3]

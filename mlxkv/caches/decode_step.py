@@ -12,7 +12,8 @@ the graph by its family (``mlxkv.caches.step_builders``):
   ring), the RoPE position of the new token and the row it is written to (int32: traced
   inputs, so the trace does not depend on them). Recurrent state hands in its arrays.
 - ``commit(new, effects)``: the write after the step. ``new`` is what the stand-in recorded:
-  the step's new keys and values, then the window arrays with the new position written.
+  the step's new keys and values, then the window arrays with the new position written
+  (the store's ``written``; none for TurboQuant, whose commit appends).
   Plain, affine and ring steps hand in the cache's own buffer (grown outside the graph
   exactly as the eager append grows it) and the cache adopts the written buffer: the graph
   writes in place, no copy. Other attention steps (TurboQuant, eviction, a bf16-first cache
@@ -36,6 +37,7 @@ import mlx.core as mx
 
 from ..errors import MLXKVError
 from ..math import turboquant as tq
+from . import codes_window
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,15 @@ class PlainStore:
     """Keys and values as stored (one array each)."""
 
     width = 1
+    quantized_window = False
 
     def join(self, keys, values, k, v, at):
         put = lambda a, x: mx.slice_update(a, x.astype(a.dtype), at, axes=(2,))
         return put(keys[0], k), put(values[0], v)
+
+    def written(self, wk, wv):
+        """The arrays the step leaves the graph with (the commit adopts them)."""
+        return wk, wv
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class AffineStore:
     bits: int
     group_size: int
     width = 3
+    quantized_window = True
 
     def join(self, keys, values, k, v, at):
         def put(stored, x):
@@ -90,21 +98,36 @@ class AffineStore:
 
         return put(keys, k), put(values, v)
 
+    def written(self, wk, wv):
+        return (*wk, *wv)
+
 
 @dataclass(frozen=True)
-class TurboStore:
-    """TurboQuant's five code arrays, decoded in the new keys' dtype (the eager read)."""
+class TurboStore(codes_window.CodesReader):
+    """TurboQuant's five code arrays with the new position's codes written at the traced row:
+    attended as codes (``codes``: the stand-in shows ``bits``, as the eager cache does) or
+    decoded in the new keys' dtype (the exact read). The commit appends through the cache,
+    so nothing but the new keys and values leaves the graph."""
 
     k_bits: int
     v_bits: int
+    codes: bool = True
     width = 5  # all five arrays travel on the "keys" side; the values side is empty
 
     def join(self, keys, values, k, v, at):
-        dk, dv = tq.decode(keys, self.k_bits, self.v_bits)
         codes = tq.encode_codes(k, v, self.k_bits, self.v_bits, stacked=True)  # one position
+        if self.codes:
+            new = tq.pack_codes(codes, self.k_bits, self.v_bits)
+            return codes_window.window(
+                (mx.slice_update(a, n, at, axes=(2,)) for a, n in zip(keys, new)), self.k_bits, self.v_bits
+            )
+        dk, dv = tq.decode(keys, self.k_bits, self.v_bits)
         nk, nv = tq.decode_codes(codes, self.v_bits)
         put = lambda a, x: mx.slice_update(a.astype(k.dtype), x.astype(k.dtype), at, axes=(2,))
         return put(dk, nk), put(dv, nv)
+
+    def written(self, wk, wv):
+        return ()
 
 
 # -- the stand-in a traced model calls ------------------------------------------------------
@@ -121,7 +144,7 @@ class StepCache:
         self.keys, self.values = keys, values
         self.new = None
         store = layout.store
-        if isinstance(store, AffineStore):  # mlx-lm routes on hasattr(cache, "bits")
+        if store.quantized_window:  # mlx-lm routes on hasattr(cache, "bits")
             self.bits, self.group_size = store.bits, store.group_size
 
     def update_and_fetch(self, keys, values):
@@ -129,9 +152,9 @@ class StepCache:
             raise MLXKVError(f"a compiled decode step appends one position per row, got L={keys.shape[2]}")
         if self.new is not None:
             raise MLXKVError("a compiled decode step appends to each cache once")
-        wk, wv = self.layout.store.join(self.keys, self.values, keys, values, self.write_at)
-        flat = lambda x: x if isinstance(x, tuple) else (x,)
-        self.new = (keys, values, *flat(wk), *flat(wv))
+        store = self.layout.store
+        wk, wv = store.join(self.keys, self.values, keys, values, self.write_at)
+        self.new = (keys, values, *store.written(wk, wv))
         return wk, wv
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):

@@ -4,8 +4,9 @@ mlx-lm's models attend with ``mlx_lm.models.base.scaled_dot_product_attention(qu
 values, cache=cache, scale=, mask=)``, which takes the module's
 ``quantized_scaled_dot_product_attention`` when ``hasattr(cache, "bits")`` and mx.fast's dense
 kernel otherwise. A cache whose read is neither (a bf16-first batch whose rows attend in two
-precisions, ``mlxkv.batched.bf16first``) returns a :class:`RoutedRead` from
-``update_and_fetch`` as its keys and values and shows ``bits`` and ``group_size``; this module
+precisions, ``mlxkv.batched.bf16first``; TurboQuant's codes, ``mlxkv.caches.codes_window``)
+returns a :class:`RoutedRead` from ``update_and_fetch`` as its keys and values and shows
+``bits`` and ``group_size``; this module
 wraps mlx-lm's quantized SDPA once, when it is imported, so that a ``RoutedRead`` attends
 through its own ``attend(queries, scale, mask)``. Every other call reaches mlx-lm's function
 unchanged, with the same arguments: no cache but an mlxkv routed read computes anything else.
@@ -20,6 +21,10 @@ class RoutedRead:
     """What a cache's ``update_and_fetch`` returned, attended by the read itself."""
 
     def attend(self, queries, scale: float, mask):  # pragma: no cover - every read overrides it
+        raise NotImplementedError
+
+    def taken(self, rows):  # pragma: no cover - a read a split takes rows of overrides it
+        """This read over the batch rows ``rows`` only (an int32 array of row indices)."""
         raise NotImplementedError
 
 

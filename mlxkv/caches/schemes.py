@@ -36,11 +36,12 @@ def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
     )
 
 
-def scheme_for_pending(pending: dict) -> PendingConversion:
-    """Rebuild a pending conversion from its snapshot entry ``{"scheme", "start"}``."""
+def scheme_for_pending(pending: dict, options: dict | None = None) -> PendingConversion:
+    """Rebuild a pending conversion from its snapshot entry ``{"scheme", "start"}`` (with
+    ``make_cache`` options such as TurboQuant's ``codes``; the read is not stored)."""
     start = int(pending["start"])
-    parsed = parse_scheme(f"{pending['scheme']}-start{start}")
-    cache = parsed.build(0, {})
+    parsed = parse_scheme(f"{pending['scheme']}-start{start}", options)
+    cache = parsed.build(0, options or {})
     if not isinstance(cache, Bf16FirstCache):
         raise SchemeError(f"scheme {pending['scheme']!r} has no bf16-first form")
     return cache.pending

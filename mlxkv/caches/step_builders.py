@@ -118,12 +118,13 @@ def affine_decode_step(cache) -> DecodeStep:
 
 
 def turbo_decode_step(cache) -> DecodeStep:
-    """The codes decoded in the graph, padded to 256-row steps (the storage's own growth);
-    the commit encodes and stores the new position through the cache's append."""
+    """The codes, padded to 256-row steps (the storage's own growth), attended as the cache
+    reads (codes, or decoded in the graph); the commit encodes and stores the new position
+    through the cache's append."""
     if cache.storage is None:
         return _eager(cache)
     n = cache.offset
-    store = TurboStore(cache.k_bits, cache.v_bits)
+    store = TurboStore(cache.k_bits, cache.v_bits, cache.codes)
     return _window_step(cache, store, list(cache.storage), window_rows(n + 1), n, _append_commit(cache))
 
 

@@ -7,8 +7,9 @@ same append, so a snapshot taken right after a long prefill is already compact. 
 append is stored and attended in the target's precision.
 
 mlx-lm picks its attention by ``hasattr(cache, "bits")`` *after* the append, so the wrapper
-answers ``bits`` only while the window it last returned is an affine triple: the append that
-converts still returned bf16, the next one returns the triple. It reports the kind of the
+answers ``bits`` only while the window it last returned is a quantized window (an affine
+triple, or TurboQuant codes; ``mlxkv.caches.codes_window``): the append that converts still
+returned bf16, the next one returns the target's window. It reports the kind of the
 storage it holds now, as mlx-bun does; a pending conversion travels in snapshots, and a
 storage restored at or past its start (written by an mlxkv that converted one append later)
 converts as it is built, at the position it would have converted at.
@@ -24,8 +25,8 @@ from ..errors import CacheConfigError
 from .base import CacheContract
 from .plain import KVCache
 
-#: attributes a wrapper shows only while its last window was an affine triple
-AFFINE_ATTRIBUTES = ("bits", "group_size")
+#: attributes a wrapper shows only while its last window was a quantized window
+QUANTIZED_WINDOW_ATTRIBUTES = ("bits", "group_size")
 
 
 def conversion_due(start, offset):
@@ -73,7 +74,7 @@ class Bf16FirstCache(CacheContract):
         self.inner = inner if inner is not None else KVCache()
         self.pending = pending
         self.settle()
-        self._window_affine = hasattr(self.inner, "bits")
+        self._window_quantized = hasattr(self.inner, "bits")
 
     # identity and position are the held storage's
     @property
@@ -116,9 +117,9 @@ class Bf16FirstCache(CacheContract):
             self.inner = self.pending.apply(self.inner)
 
     def _appended(self, out):
-        """After an append through the held storage: remember whether it returned an affine
-        triple, then convert if that append reached ``start``."""
-        self._window_affine = hasattr(self.inner, "bits")
+        """After an append through the held storage: remember whether it returned a quantized
+        window, then convert if that append reached ``start``."""
+        self._window_quantized = hasattr(self.inner, "bits")
         self.settle()
         return out
 
@@ -160,9 +161,9 @@ class Bf16FirstCache(CacheContract):
 
     def __getattr__(self, name):
         # Only reached for names this class lacks: state, keys, empty(), ... and ``bits``,
-        # shown only while the last window was an affine triple.
-        if name.startswith("__") or name in ("inner", "pending", "_window_affine"):
+        # shown only while the last window was a quantized window.
+        if name.startswith("__") or name in ("inner", "pending", "_window_quantized"):
             raise AttributeError(name)
-        if name in AFFINE_ATTRIBUTES and not self.__dict__.get("_window_affine", False):
-            raise AttributeError(f"{name}: the window this cache last returned is not an affine triple")
+        if name in QUANTIZED_WINDOW_ATTRIBUTES and not self.__dict__.get("_window_quantized", False):
+            raise AttributeError(f"{name}: the window this cache last returned is not a quantized window")
         return getattr(self.inner, name)

@@ -1,4 +1,4 @@
-"""``TurboQuantKVCache`` (``kv:turboquant:<kBits>:<vBits>``): encoded at rest, decoded to read.
+"""``TurboQuantKVCache`` (``kv:turboquant:<kBits>:<vBits>``): encoded at rest, attended from the codes.
 
 Storage is the five arrays of the vLLM-Metal reference encode (``mlxkv.math.turboquant``):
 ``kIdx`` (int8 at kBits 8, else bit-packed uint8), ``kScales``/``kZeros`` (float16 per
@@ -7,24 +7,23 @@ Storage is the five arrays of the vLLM-Metal reference encode (``mlxkv.math.turb
 
 Reads:
 
-- eager (``update_and_fetch``, or ``deferred=False``): keys and values decoded; every mlx-lm
-  attention site stays correct, so this is what ``update_and_fetch`` always returns;
-- deferred (the named reads by default, as mlx-bun reads; per call ``deferred=``): values
-  stay in the rotated domain (no inverse Hadamard over the T stored rows) and the read's
-  ``finish`` un-rotates the attention output once, O(L d log d) instead of O(T d log d).
-  Valid because attention is linear in V and the rotation is the same for every position
-  and head.
-- codes (``codes=True``, or ``append_decode(k, v, codes=True)``): attention straight from
-  the stored codes (``mlxkv.math.turboquant_attention``): scores from the keys' per-group
-  affine terms, values through the codebook in the rotated domain, no decoded window. It
-  agrees with the eager read to a documented tolerance (docs/turboquant.md).
+- codes (``codes=True``, the default): ``update_and_fetch`` returns the stored window as a
+  ``CodesWindow`` and the cache shows ``bits``, so mlx-lm's own attention takes its
+  quantized SDPA, which mlxkv routes to the attention straight from the codes
+  (``mlxkv.caches.codes_window``, ``mlxkv.math.turboquant_attention``): scores from the
+  keys' per-group affine terms, values through the codebook in the rotated domain, no
+  decoded window. It agrees with the exact read to a documented tolerance
+  (docs/turboquant.md). The named reads attend the same way;
+- exact (``codes=False``): ``update_and_fetch`` returns the window decoded to the input
+  dtype (no ``bits``), for an attention site that needs arrays; the named reads then read
+  deferred by default (``deferred=``): values stay in the rotated domain (no inverse
+  Hadamard over the T stored rows) and the read's ``finish`` un-rotates the attention output
+  once, O(L d log d) instead of O(T d log d). Valid because attention is linear in V and the
+  rotation is the same for every position and head.
 
 Compiled decode (``mlxkv.caches.step_builders``): the five arrays enter the graph at a fixed row
-count, the step decodes them and writes the new position decoded from its own codes at a
-traced row; decoding is per position, so the window equals the eager read's, bit for bit.
-
-It is deliberately not a ``KVCache`` subclass and has no attribute named ``bits``: mlx-lm
-would otherwise route it to its affine quantized SDPA.
+count and the new position's codes are written at a traced row; the codes read attends
+them (padded rows masked), the exact read decodes them, per position, as the eager read.
 """
 
 import mlx.core as mx
@@ -33,7 +32,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheConfigError, MLXKVError
 from ..families import Scheme
 from ..math import turboquant as tq
-from ..math import turboquant_attention as tqa
+from . import codes_window
 from .base import CacheContract, DtypeAttribute
 from .plain import KVCache
 from .reads import AttentionRead
@@ -46,9 +45,8 @@ def unrotate_output(out: mx.array) -> mx.array:
 
 
 class CodesRead:
-    """A read that attends from the stored codes (``codes=True``): ``attend(q, scale)`` never
-    decodes the window. ``keys``/``values`` decode it on first use, for a site that attends
-    them itself."""
+    """A read that attends from the stored codes: ``attend(q, scale)`` never decodes the
+    window. ``keys``/``values`` decode it on first use, for a site that attends them itself."""
 
     finish = None
 
@@ -72,7 +70,7 @@ class CodesRead:
         return self._decoded()[1]
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
-        return tqa.attend(queries, self.stored, self.k_bits, self.v_bits, scale, self.mask)
+        return codes_window.CodesWindow(self.stored, self.k_bits, self.v_bits).attend(queries, scale, self.mask)
 
 
 class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
@@ -86,7 +84,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         v_bits: int = 3,
         deferred: bool = True,
         head_dim: int | None = None,
-        codes: bool = False,
+        codes: bool = True,
     ):
         tq.check_bits(k_bits, v_bits)
         if head_dim is not None:
@@ -102,6 +100,20 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
     @property
     def kind(self) -> str:
         return f"{self.kind_prefix}{self.k_bits}:{self.v_bits}"
+
+    # mlx-lm's attention takes its quantized route on hasattr(cache, "bits"): shown only in
+    # codes mode, where update_and_fetch returns codes (the route attends them)
+    @property
+    def bits(self) -> int:
+        if not self.codes:
+            raise AttributeError("bits: this cache's update_and_fetch returns the decoded window (codes=False)")
+        return self.k_bits
+
+    @property
+    def group_size(self) -> int:
+        if not self.codes:
+            raise AttributeError("group_size: this cache's update_and_fetch returns the decoded window (codes=False)")
+        return tq.GROUP
 
     # -- storage ------------------------------------------------------------------------
 
@@ -167,8 +179,11 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
         self._write(tq.pack_codes(codes, self.k_bits, self.v_bits))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Encode the new positions; return the decoded (eager) window in the input dtype."""
+        """Encode the new positions; return the window as codes (codes mode) or decoded in
+        the input dtype (``codes=False``)."""
         self._append(keys, values)
+        if self.codes:
+            return codes_window.window(self.storage, self.k_bits, self.v_bits, self.offset)
         return self._decoded(keys.dtype, rotated=False)
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
@@ -242,7 +257,7 @@ class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
 
     @classmethod
     def from_cache(
-        cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = True, codes: bool = False
+        cls, source, k_bits: int = 8, v_bits: int = 3, deferred: bool = True, codes: bool = True
     ) -> "TurboQuantKVCache":
         """Encode a plain cache's live window once; ``offset``, ``minimum_reusable_offset``
         and ``masks`` carry over and the source is consumed (its arrays are released)."""
@@ -294,7 +309,7 @@ def turbo_scheme(m, opts):
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 
     def build(i, o):
-        deferred, codes = bool(o.get("deferred", True)), bool(o.get("codes", False))
+        deferred, codes = bool(o.get("deferred", True)), bool(o.get("codes", True))
         pending = PendingConversion(
             f"turbo-k{k_bits}v{v_bits}",
             start,

@@ -92,7 +92,7 @@ def encode(
     fails only for file-system reasons.
     """
     try:
-        tokens = [int(t) for t in tokens]
+        tokens = list(map(int, tokens))
     except (TypeError, ValueError) as e:
         raise SnapshotError(f"tokens must be integers: {e}") from None
     if attachments and not isinstance(attachments, dict):
@@ -116,10 +116,10 @@ def encode(
     if attachments:
         header["attachments"] = attachments
     try:
-        json.dumps(header)
+        text = json.dumps(header)
     except (TypeError, ValueError) as e:
         raise SnapshotError(f"snapshot header is not JSON-serializable: {e}") from None
-    _check_readable(json.loads(json.dumps(header)), tensors)
+    _check_readable(json.loads(text), tensors)
     return header, tensors
 
 

@@ -12,7 +12,7 @@ more than the header announces; whatever it refuses raises a :class:`SnapshotErr
 import re
 
 from ..caches.schemes import scheme_for_pending
-from ..checks import INT32_MAX, is_count32, is_int
+from ..checks import INT32_MAX, is_count32, is_count32_list, is_int
 from ..codecs.base import check_entry
 from ..errors import CorruptSnapshotError, FormatVersionError, MLXKVError, SnapshotError
 from ..families import family_of_persisted
@@ -115,7 +115,7 @@ def _check_pending(path: str, i: int, pending) -> None:
 
 def check_tokens(where: str, tokens) -> list:
     """``tokens`` if it is a list of token ids (mlxkv snapshots and mlx-bun files alike)."""
-    if type(tokens) is not list or not all(is_count32(t) for t in tokens):
+    if not is_count32_list(tokens):
         raise CorruptSnapshotError(f"{where}: tokens must be a list of token ids (integers in 0..{INT32_MAX})")
     return tokens
 

@@ -11,6 +11,7 @@ is opened once and every later read goes through that descriptor (tensor_reader.
 import functools
 import json
 import math
+import os
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,8 @@ MAX_RANK = 8  # dimensions of a tensor
 MAX_DIM = 2**31 - 1  # elements along one dimension (MLX's shapes are int32)
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 CRC_PLACEHOLDER = "00000000"
+EVAL_GROUP = 64 << 20  # bytes of tensors a writer evaluates at once
+WRITE_CHUNK = 512 << 10  # written, then checksummed while still in cache (docs/sessions.md)
 
 
 def dtype_name(a: mx.array) -> str:
@@ -109,16 +112,55 @@ def io_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-io")
 
 
-def array_buffer(a: mx.array) -> memoryview:
-    """The row-major bytes of ``a`` (one contiguous copy at most), exported as one flat
-    dimension: numpy and the buffer protocol stop at 64 dimensions (MLX does not)."""
+def _raw(a: mx.array) -> mx.array:
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
+
+
+def _bytes_of(a: mx.array) -> memoryview:
+    """The row-major bytes of an evaluated array: its own memory when it is contiguous, else
+    one copy (numpy reads MLX's strides; a slice of a cache's buffer is such a view)."""
     if a.size == 0:
         return memoryview(b"")
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    a = mx.contiguous(a).reshape(-1)
-    mx.eval(a)
-    return memoryview(np.asarray(a)).cast("B")
+    if a.ndim > 64:  # numpy stops at 64 dimensions (MLX does not): flatten in MLX first
+        a = mx.contiguous(a).reshape(-1)
+        mx.eval(a)
+    n = np.asarray(a)
+    return memoryview(n if n.flags.c_contiguous else np.ascontiguousarray(n)).cast("B")
+
+
+def array_buffers(arrays: Sequence[mx.array]):
+    """The row-major bytes of each array, one at a time (at most one contiguous copy alive).
+
+    The arrays are evaluated in groups of up to ``EVAL_GROUP`` bytes (at least one array): a
+    writer waits for MLX once per group, not once per tensor (on a busy 2-core machine each
+    wait cost about as much as writing a tensor; docs/sessions.md). Arrays already computed
+    (a cache after a forward pass) take no memory to evaluate; lazy ones at most a group's."""
+    raw = [_raw(a) for a in arrays]
+    start = 0
+    while start < len(raw):
+        end, size = start + 1, raw[start].nbytes
+        while end < len(raw) and size + raw[end].nbytes <= EVAL_GROUP:
+            size += raw[end].nbytes
+            end += 1
+        mx.eval(raw[start:end])
+        for i in range(start, end):
+            a, raw[i] = raw[i], None  # (the group holds no array past its write)
+            yield _bytes_of(a)
+            del a
+        start = end
+
+
+def array_buffer(a: mx.array) -> memoryview:
+    """The row-major bytes of ``a`` (one contiguous copy at most), as one flat dimension."""
+    return next(array_buffers([a]))
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (a write may stop short: resume there)."""
+    view = memoryview(data)
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
@@ -150,26 +192,26 @@ def write_atomic(
     placeholder = header_bytes(entries, build_metadata(dict.fromkeys(entries, CRC_PLACEHOLDER)))
 
     def fill(f) -> dict[str, str]:
-        crcs, done = {}, 0
-        f.seek(8 + len(placeholder))
-        for name, a in tensors:
-            buf = array_buffer(a)
-            crc = io_pool().submit(crc32_hex, buf)  # overlaps the write
-            f.write(buf)
+        fd, crcs = f.fileno(), {}
+        at = data_start = 8 + len(placeholder)
+        buffers = array_buffers([a for _, a in tensors])
+        for name, _ in tensors:
+            buf, crc, chunk = next(buffers), 0, None  # (nothing holds the previous tensor's bytes)
+            for i in range(0, len(buf), WRITE_CHUNK):
+                chunk = buf[i : i + WRITE_CHUNK]
+                pwrite_all(fd, chunk, at + i)
+                crc = crc32(chunk, crc)  # right after the write read it: from cache
+            crcs[name] = f"{crc & 0xFFFFFFFF:08x}"
             if fsync:
-                f.flush()
-                start_writeback(f.fileno(), f.tell() - buf.nbytes, buf.nbytes)
-            crcs[name] = crc.result()
-            done += buf.nbytes
-            del buf
+                start_writeback(fd, at, len(buf))
+            at += len(buf)
+            del buf, chunk  # (a copy of a strided tensor lives no longer than its write)
             if progress:
-                progress(done, total)
+                progress(at - data_start, total)
         header = header_bytes(entries, build_metadata(crcs))
         if len(header) != len(placeholder):  # pragma: no cover - guarded by fixed widths
             raise SnapshotError("internal error: header length changed while writing")
-        f.seek(0)
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
+        pwrite_all(fd, struct.pack("<Q", len(header)) + header, 0)
         return crcs
 
     return write_file_atomically(path, fill, fsync)

@@ -132,10 +132,11 @@ class _Target:
         self.state = checksum.new() if expected is not None else None  # nothing to compare: not computed
         self.bytes_read = 0
 
-    def fill(self, fd: int, out: memoryview, at: int):
-        """Fill ``out``, the array's bytes from ``at`` on: stored bytes read, slack zeroed."""
+    def fill(self, fd: int, out: memoryview, at: int, split: bool = True):
+        """Fill ``out``, the array's bytes from ``at`` on: stored bytes read, slack zeroed;
+        with ``split``, the second half by the helper thread."""
         if self.slack and self.blocks > _MAX_BLOCKS and at == 0 and len(out) == self.nbytes:
-            return self._fill_staged(fd, out)
+            return self._fill_staged(fd, out, split)
         stride, end = self.part + self.slack, at + len(out)
         pieces = []
         for i in range(at // stride, (end - 1) // stride + 1):  # iovecs: one per [B, H] block
@@ -146,21 +147,21 @@ class _Target:
             a, z = max(at, blk + self.part), min(end, blk + stride)
             if a < z:
                 np.frombuffer(out[a - at : z - at], dtype=np.uint8)[:] = 0
-        self._read(fd, pieces)
+        self._read(fd, pieces, split)
 
-    def _fill_staged(self, fd: int, out: memoryview):
+    def _fill_staged(self, fd: int, out: memoryview, split: bool):
         """Many short blocks (a crafted file can declare millions): read them in one run
         into a staging buffer, then place them with one strided copy instead of a Python
         loop per block."""
         stored = bytearray(self.blocks * self.part)
-        self._read(fd, [(memoryview(stored), self.info.begin)])
+        self._read(fd, [(memoryview(stored), self.info.begin)], split)
         grid = np.frombuffer(out, dtype=np.uint8).reshape(self.blocks, self.part + self.slack)
         grid[:, : self.part] = np.frombuffer(stored, dtype=np.uint8).reshape(self.blocks, self.part)
         grid[:, self.part :] = 0
 
-    def _read(self, fd: int, pieces: list[Piece]):
+    def _read(self, fd: int, pieces: list[Piece], split: bool):
         total = sum(len(v) for v, _ in pieces)
-        if _PARALLEL and total >= _SPLIT_MIN:
+        if split and _PARALLEL and total >= _SPLIT_MIN:
             # the helper reads the second half; waited for here, so no read outlives the call
             # that lent us the array's memory
             first, second = _split(pieces, total // 2)
@@ -210,6 +211,7 @@ class _LoadStream(io.RawIOBase):
         self.head = struct.pack("<Q", len(raw)) + raw
         self.size = len(self.head) + pos
         self.pos, self.error, self.done = 0, None, 0
+        self.readers = 0  # readinto calls in flight
         self.total = sum(t.info.end - t.info.begin for t in targets)
 
     def readable(self):
@@ -231,11 +233,14 @@ class _LoadStream(io.RawIOBase):
         k = max(0, min(n, h - self.pos))
         out[:k] = self.head[self.pos : self.pos + k]
         at = self.pos + k - h
+        self.readers += 1
         try:
             while k < n and self.error is None:  # MLX reads one whole tensor per call
                 start, t = self.spans[int(np.searchsorted(self.starts, at, side="right")) - 1]
                 m = min(n - k, start + t.nbytes - at)
-                t.fill(self.fd, out[k : k + m], at - start)
+                # MLX's loader threads may read several tensors at once: then each reads its
+                # own; a tensor read alone is split with the helper thread
+                t.fill(self.fd, out[k : k + m], at - start, split=self.readers == 1)
                 k, at = k + m, at + m
                 if at == start + t.nbytes:
                     self.done += t.info.end - t.info.begin
@@ -245,6 +250,8 @@ class _LoadStream(io.RawIOBase):
             # without its traceback, whose frames hold this stream (see _load)
             self.error = e.with_traceback(None)
             self.error.__context__ = None
+        finally:
+            self.readers -= 1
         self.pos += n
         return n
 

@@ -18,7 +18,7 @@ result differs by float summation order in float32 inputs and by the exact read'
 the decoded window in bfloat16 inputs; docs/turboquant.md gives the measured tolerance.
 """
 
-from functools import cache
+from functools import cache, partial
 
 import mlx.core as mx
 import numpy as np
@@ -39,19 +39,35 @@ def centroid_table(v_bits: int) -> mx.array:
     return mx.array(cents[fields & ((1 << v_bits) - 1)])
 
 
+@cache
+def _chunk_fields(v_bits: int):
+    """One fused kernel (``mx.compile``, shapeless: traced once for every window length) that
+    cuts blocks of ``v_bits`` bytes (8 codes) given as byte columns ``[..., blocks, 1]`` into
+    their chunks ``[..., blocks, 8*v_bits/chunk]`` (uint16)."""
+    chunk = _CHUNK[v_bits]
+    word = mx.uint64 if v_bits == 5 else mx.uint32
+    mask = (1 << chunk) - 1
+
+    @partial(mx.compile, shapeless=True)
+    def fields(*columns):
+        stream = columns[0].astype(word)
+        for i, byte in enumerate(columns[1:], 1):
+            stream = stream | (byte.astype(word) << (8 * i))
+        return mx.concatenate(
+            [((stream >> shift) & mask).astype(mx.uint16) for shift in range(0, 8 * v_bits, chunk)], axis=-1
+        )
+
+    return fields
+
+
 def _chunks(packed: mx.array, v_bits: int) -> mx.array:
     """Packed value codes ``[..., D*b/8]`` -> table indices ``[..., D/per]``."""
     if _CHUNK[v_bits] == 8:
         return packed
     *lead, width = packed.shape
-    word = mx.uint64 if v_bits == 5 else mx.uint32
-    blocks = packed.reshape(*lead, width // v_bits, v_bits).astype(word)  # 8 codes per block
-    stream = blocks[..., 0]
-    for i in range(1, v_bits):
-        stream = stream | (blocks[..., i] << (8 * i))
-    chunk = _CHUNK[v_bits]
-    shift = mx.arange(0, 8 * v_bits, chunk, dtype=word)
-    return ((stream[..., None] >> shift) & ((1 << chunk) - 1)).astype(mx.uint32).reshape(*lead, -1)
+    blocks = packed.reshape(*lead, width // v_bits, v_bits)  # 8 codes per block
+    columns = (blocks[..., i : i + 1] for i in range(v_bits))
+    return _chunk_fields(v_bits)(*columns).reshape(*lead, -1)
 
 
 def rotated_values(v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.array:

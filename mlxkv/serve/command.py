@@ -30,11 +30,15 @@ def run(args) -> int:
     except MLXKVError as e:
         print(f"mlxkv serve: error: {e}", file=sys.stderr)
         return 1
-    for line in server.banner():
-        print(line, file=sys.stderr)
-    sys.stderr.flush()
-    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends as Ctrl-C does
-    server.serve_forever()
+    # a service manager's stop ends as Ctrl-C does, also one sent as soon as the banner is read
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for line in server.banner():
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass  # stopped before serving began
     server.shutdown()  # the prompt store's queued writes are written first
     # Everything is stopped and joined. Leave without interpreter finalization: MLX aborts
     # there ("terminate called without an active exception") once a thread other than the

@@ -1,0 +1,59 @@
+"""TurboQuant on the real models attends from its codes: SmolLM2 (llama, 3 kv heads of 64) and
+Gemma 3 270M (its sliding-window rings kept bf16, its global layers TurboQuant, one kv head of
+256) through ``mlx_lm.generate``, eager and compiled, and ``BatchGenerator``: no window is
+decoded, and in float32 the greedy tokens are the exact read's (docs/turboquant.md: the two
+reads differ by summation order only)."""
+
+import warnings
+
+import mlx_lm
+import pytest
+from mlx_lm.generate import BatchGenerator
+from real_models import GEMMA3, SMOLLM2, chat_prompt, loaded
+
+import mlxkv
+
+pytestmark = pytest.mark.real
+
+SCHEME = "turbo-k8v3"
+QUESTIONS = ["Why is the sky blue?", "Name three rivers of Europe and the seas they reach."]
+
+
+def prompts(name, tokenizer):
+    if name == SMOLLM2:
+        return [chat_prompt(tokenizer, q) for q in QUESTIONS]
+    return [tokenizer.encode(q) for q in QUESTIONS]  # Gemma 3 270M has no chat template
+
+
+def caches(model, codes):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return mlxkv.make_cache(model, SCHEME, codes=codes)
+
+
+def generated(model, tokenizer, prompt, codes, compiled=False):
+    m = mlxkv.compiled_model(model) if compiled else model
+    return mlx_lm.generate(m, tokenizer, prompt, max_tokens=10, prompt_cache=caches(model, codes))
+
+
+def batched(model, rows, codes):
+    gen = BatchGenerator(model, completion_batch_size=len(rows))
+    uids = gen.insert(rows, [8] * len(rows), caches=[caches(model, codes) for _ in rows])
+    out = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[u] for u in uids]
+
+
+@pytest.mark.parametrize("name", [SMOLLM2, GEMMA3])
+def test_real_models_attend_turboquant_from_the_codes(name, codes_reads):
+    model, tokenizer = loaded(name)
+    rows = prompts(name, tokenizer)
+    exact_text, exact_rows = generated(model, tokenizer, rows[0], codes=False), batched(model, rows, codes=False)
+    before = dict(codes_reads)
+    for compiled in (False, True):
+        assert generated(model, tokenizer, rows[0], codes=True, compiled=compiled) == exact_text, (name, compiled)
+    assert batched(model, rows, codes=True) == exact_rows, name
+    assert codes_reads["decode"] == before["decode"] and codes_reads["attend"] > before["attend"]
