@@ -56,7 +56,7 @@ def _upload(model, server, tokens, **kw):
 
 def _manifest(r, store, tokens, ns=""):
     seed = identity_seed(store.identity, ns, BLOCK)
-    key = store._redis.manifest_key(seed, entry_id(seed, tokens))
+    key = store._redis.layout.manifest(seed, entry_id(seed, tokens))
     return key, msgpack.unpackb(r.get(key))
 
 
@@ -230,9 +230,9 @@ def test_entries_of_another_secret_or_rewritten_are_misses(models, server):
     m["header"] = json.dumps(header, separators=(",", ":"))
     m["headerCrc32"] = f"{zlib.crc32(m['header'].encode()):08x}"
     seed = identity_seed(store.identity, "", BLOCK)
-    r.set(store._redis.manifest_key(seed, entry_id(seed, other)), msgpack.packb(m))
-    for h in block_chain(seed, other, BLOCK):
-        r.sadd(store._redis.block_key(seed, h), entry_id(seed, other))
+    r.set(store._redis.layout.manifest(seed, entry_id(seed, other)), msgpack.packb(m))
+    for b in store._redis.layout.blocks(seed, block_chain(seed, other, BLOCK)):
+        r.sadd(b, entry_id(seed, other))
     assert store.take(other + [1]) is None  # the pieces say otherwise: its HMAC does not match
     assert store.take(tokens + [1]).prefix_len == 40  # the genuine entry is untouched
 
@@ -271,11 +271,11 @@ def test_the_joined_bytes_are_checked_against_the_headers_crc32(models, server):
     seed = identity_seed(store.identity, "", BLOCK)
     eid = entry_id(seed, tokens)
     name, size, _ = m["pieces"][2]
-    r.set(store._redis.piece_key(seed, eid, m["upload"], 2), bytes(size))
+    r.set(store._redis.layout.piece(seed, eid, m["upload"], 2), bytes(size))
     m["pieces"][2][2] = zlib.crc32(bytes(size))
     mac = EntryMac(namespace_key(SECRET, ""), seed[:16].hex(), eid, m["upload"], m["header"])
     for i, (n, _, _) in enumerate(m["pieces"]):
-        mac.piece(n, r.get(store._redis.piece_key(seed, eid, m["upload"], i)))
+        mac.piece(n, r.get(store._redis.layout.piece(seed, eid, m["upload"], i)))
     m["mac"] = mac.hexdigest()
     r.set(key, msgpack.packb(m))
     assert store.take(tokens + [1]) is None
@@ -300,9 +300,9 @@ def test_reads_are_bounded_by_what_the_store_may_hold(models, server):
     big = _store(model, server)
     key, m = _manifest(r, big, tokens)
     seed = identity_seed(big.identity, "", BLOCK)
-    block = big._redis.block_key(seed, block_chain(seed, tokens, BLOCK)[0])
+    block = big._redis.layout.blocks(seed, block_chain(seed, tokens, BLOCK))[0]
     for i in range(6):  # foreign manifests of 5 MiB each, filed under the prompt's first block
-        r.set(big._redis.manifest_key(seed, f"{i:032x}"), b"\x00" * (5 << 20))
+        r.set(big._redis.layout.manifest(seed, f"{i:032x}"), b"\x00" * (5 << 20))
         r.sadd(block, f"{i:032x}")
     before = _net_out(r)
     hit = big.take(tokens[:40] + [1])

@@ -138,7 +138,7 @@ def test_one_process_uploads_a_prefix(models, server, r):
     tokens = prompt(40, seed=1)
     store = _store(model, server)
     seed = identity_seed(store.identity, "", BLOCK)
-    lease = store._redis.lease_key(seed, entry_id(seed, tokens))
+    lease = store._redis.layout.lease(seed, entry_id(seed, tokens))
     r.set(lease, "another-process", px=1500)
     t0 = time.monotonic()
     assert len(_upload(model, server, tokens).uploaded) == 1
@@ -200,12 +200,12 @@ def test_eviction_under_maxmemory_gives_misses_never_wrong_caches(models):
         whole = set()
         for i, t in enumerate(entries):
             eid = entry_id(seed, t)
-            raw = r.get(store._redis.manifest_key(seed, eid))
-            blocks = [store._redis.block_key(seed, h) for h in block_chain(seed, t, BLOCK)]
+            raw = r.get(store._redis.layout.manifest(seed, eid))
+            blocks = store._redis.layout.blocks(seed, block_chain(seed, t, BLOCK))
             if raw is None or not any(r.sismember(b, eid) for b in blocks):
                 continue
             m = msgpack.unpackb(raw)
-            keys = [store._redis.piece_key(seed, eid, m["upload"], j) for j in range(len(m["pieces"]))]
+            keys = [store._redis.layout.piece(seed, eid, m["upload"], j) for j in range(len(m["pieces"]))]
             if all(r.exists(k) for k in keys):
                 whole.add(i)
         hits = set()
