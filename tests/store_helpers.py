@@ -9,6 +9,7 @@ import warnings
 
 import mlx.core as mx
 import numpy as np
+import redis
 
 from mlxkv.caches.schemes import make_cache, parse_scheme
 from mlxkv.errors import SchemeError
@@ -117,8 +118,6 @@ class RedisServer:
         return f"unix://{self.socket}"
 
     def client(self):
-        import redis
-
         return redis.Redis.from_url(self.url)
 
     def stop(self):
@@ -130,3 +129,172 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def free_ports(n):
+    """``n`` TCP ports on loopback that were free a moment ago (the OS picks them)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalCluster:
+    """A Redis Cluster on loopback: ``masters`` masters with ``replicas`` replicas each, on
+    private ports chosen free at start, built with ``redis-cli --cluster create``; ready when
+    every node says ``cluster_state:ok`` and every replica's link to its master is up.
+    ``cluster-node-timeout`` is ``node_timeout_ms``, so a killed master's replica takes over
+    within a few seconds."""
+
+    def __init__(self, masters=3, replicas=1, node_timeout_ms=1000, extra=(), timeout=60.0):
+        for exe in ("redis-server", "redis-cli"):
+            if shutil.which(exe) is None:
+                raise RuntimeError(
+                    f"{exe} is not installed: the cluster tests need it (apt-get install -y redis-server)"
+                )
+        self.dir = tempfile.mkdtemp(prefix="mlxkv-cluster-")
+        self.procs = {}
+        n = masters * (1 + replicas)
+        ports = free_ports(2 * n)
+        self.ports, buses = ports[:n], ports[n:]
+        try:
+            for port, bus in zip(self.ports, buses):
+                self._start(port, bus, node_timeout_ms, extra)
+            for port in self.ports:
+                self._wait(lambda p=port: self.node(p).ping(), timeout)
+            out = subprocess.run(
+                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
+                + ["--cluster-replicas", str(replicas), "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, port, bus, node_timeout_ms, extra):
+        d = os.path.join(self.dir, str(port))
+        os.makedirs(d)
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", d]
+            + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)]
+            + ["--cluster-node-timeout", str(node_timeout_ms), "--cluster-replica-validity-factor", "0"]
+            + ["--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no", *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    @staticmethod
+    def _wait(ready, timeout):
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if ready():
+                    return
+            except Exception:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the cluster did not become ready")
+            time.sleep(0.05)
+
+    def node(self, port):
+        """A plain client of one node (not cluster-aware)."""
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+
+    def alive(self):
+        return [p for p, proc in self.procs.items() if proc.poll() is None]
+
+    def ready(self) -> bool:
+        """Every live node says cluster_state:ok and knows every live node's role; every
+        live replica's link is up; every slot has a live master."""
+        live = self.alive()
+        for p in live:
+            r = self.node(p)
+            if r.cluster("info")["cluster_state"] != "ok":
+                return False
+            info = r.info("replication")
+            if info["role"] == "slave" and info.get("master_link_status") != "up":
+                return False
+        covered = 0
+        for start, end, master, *_ in self.node(live[0]).execute_command("CLUSTER SLOTS"):
+            if int(master[1]) not in live:
+                return False
+            covered += end - start + 1
+        return covered == 16384
+
+    def wait_ok(self, timeout=60.0):
+        self._wait(self.ready, timeout)
+
+    def masters(self):
+        """{port: (first slot, last slot) ranges} of the live masters holding slots."""
+        out = {}
+        for start, end, master, *_ in self.node(self.alive()[0]).execute_command("CLUSTER SLOTS"):
+            out.setdefault(int(master[1]), []).append((start, end))
+        return out
+
+    def master_of(self, key) -> int:
+        slot = self.node(self.alive()[0]).cluster("keyslot", key)
+        for port, ranges in self.masters().items():
+            if any(a <= slot <= b for a, b in ranges):
+                return port
+        raise AssertionError(f"no master holds slot {slot}")
+
+    def node_id(self, port) -> str:
+        return self.node(port).cluster("myid").decode()
+
+    def kill(self, port):
+        """SIGKILL one node."""
+        proc = self.procs[port]
+        proc.kill()
+        proc.wait()
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def client(self):
+        """A cluster client whose KEYS, FLUSHALL and DBSIZE span every master (as one
+        server's do)."""
+        return _WholeCluster(host="127.0.0.1", port=self.alive()[0], socket_timeout=5)
+
+    def flushall(self):
+        for port in self.masters():
+            self.node(port).flushall()
+
+    def keys(self, pattern="*"):
+        return [k for port in self.masters() for k in self.node(port).keys(pattern)]
+
+    def stop(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _WholeCluster(redis.RedisCluster):
+    def keys(self, pattern="*", **kw):
+        return super().keys(pattern, target_nodes=self.PRIMARIES, **kw)
+
+    def flushall(self, *args, **kw):
+        return super().flushall(*args, target_nodes=self.PRIMARIES, **kw)
+
+    def dbsize(self, **kw):
+        return super().dbsize(target_nodes=self.PRIMARIES, **kw)
