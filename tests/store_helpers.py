@@ -237,6 +237,19 @@ class LocalCluster:
     def wait_ok(self, timeout=60.0):
         self._wait(self.ready, timeout)
 
+    def wait_replicated(self, timeout=30.0):
+        """Until every live master's replicas have acknowledged all it wrote."""
+
+        def caught_up():
+            for port in self.masters():
+                info = self.node(port).info("replication")
+                replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                if any(r["offset"] != info["master_repl_offset"] for r in replicas):
+                    return False
+            return True
+
+        self._wait(caught_up, timeout)
+
     def masters(self):
         """{port: (first slot, last slot) ranges} of the live masters holding slots."""
         out = {}
@@ -273,7 +286,7 @@ class LocalCluster:
         for port in self.masters():
             self.node(port).flushall()
 
-    def keys(self, pattern="*"):
+    def keys_matching(self, pattern="*"):
         return [k for port in self.masters() for k in self.node(port).keys(pattern)]
 
     def stop(self):
