@@ -154,14 +154,15 @@ class LocalCluster:
     ``cluster-node-timeout`` is ``node_timeout_ms``, so a killed master's replica takes over
     within a few seconds."""
 
-    def __init__(self, masters=3, replicas=1, node_timeout_ms=1000, extra=(), timeout=60.0):
-        for exe in ("redis-server", "redis-cli"):
+    def __init__(self, masters=3, replicas=1, node_timeout_ms=1000, extra=(), timeout=60.0, tls=False):
+        for exe in ("redis-server", "redis-cli", *(["openssl"] if tls else [])):
             if shutil.which(exe) is None:
                 raise RuntimeError(
                     f"{exe} is not installed: the cluster tests need it (apt-get install -y redis-server)"
                 )
         self.dir = tempfile.mkdtemp(prefix="mlxkv-cluster-")
         self.procs = {}
+        self.ca = self._certificates() if tls else None
         n = masters * (1 + replicas)
         ports = free_ports(2 * n)
         self.ports, buses = ports[:n], ports[n:]
@@ -171,7 +172,7 @@ class LocalCluster:
             for port in self.ports:
                 self._wait(lambda p=port: self.node(p).ping(), timeout)
             out = subprocess.run(
-                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
+                ["redis-cli", *self._cli_tls(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
                 + ["--cluster-replicas", str(replicas), "--cluster-yes"],
                 capture_output=True,
                 text=True,
@@ -184,11 +185,43 @@ class LocalCluster:
             self.stop()
             raise
 
+    def _certificates(self) -> str:
+        """A certificate authority and a certificate for 127.0.0.1 that every node presents;
+        returns the authority's path."""
+        d = os.path.join(self.dir, "tls")
+        os.makedirs(d)
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+        def run(*args):
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+        run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=mlxkv test CA")
+        run("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+        with open(os.path.join(d, "san"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+        sign = ["-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2", "-extfile", "san"]
+        run("x509", "-req", "-in", "node.csr", *sign, "-out", "node.crt")
+        return os.path.join(d, "ca.crt")
+
+    def _tls_args(self):
+        if self.ca is None:
+            return []
+        d = os.path.dirname(self.ca)
+        files = ["--tls-cert-file", os.path.join(d, "node.crt"), "--tls-key-file", os.path.join(d, "node.key")]
+        return ["--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no", *files] + [
+            "--tls-ca-cert-file",
+            self.ca,
+        ]
+
+    def _cli_tls(self):
+        return [] if self.ca is None else ["--tls", "--cacert", self.ca]
+
     def _start(self, port, bus, node_timeout_ms, extra):
         d = os.path.join(self.dir, str(port))
         os.makedirs(d)
+        listen = ["--port", "0", "--tls-port", str(port)] if self.ca else ["--port", str(port)]
         self.procs[port] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", d]
+            ["redis-server", *listen, "--bind", "127.0.0.1", "--dir", d, *self._tls_args()]
             + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)]
             + ["--cluster-node-timeout", str(node_timeout_ms), "--cluster-replica-validity-factor", "0"]
             + ["--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no", *extra],
@@ -211,7 +244,8 @@ class LocalCluster:
 
     def node(self, port):
         """A plain client of one node (not cluster-aware)."""
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+        tls = {} if self.ca is None else {"ssl": True, "ssl_ca_certs": self.ca}
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, **tls)
 
     def alive(self):
         return [p for p, proc in self.procs.items() if proc.poll() is None]
@@ -311,3 +345,12 @@ class _WholeCluster(redis.RedisCluster):
 
     def dbsize(self, **kw):
         return super().dbsize(target_nodes=self.PRIMARIES, **kw)
+
+
+def settled(store, timeout=30.0):
+    """Until a store's shared tier has made its client (a cluster's learns the slot table as
+    the store opens), or failed to: a lookup then asks the tier at once."""
+    starting = store._redis.health._starting
+    if starting is not None:
+        starting.result(timeout)
+    return store

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx_lm
 import pytest
 from serve_helpers import serve_process, words
-from store_helpers import LocalCluster, build, forward, free_ports
+from store_helpers import LocalCluster, build, forward, free_ports, settled
 
 import mlxkv
 from mlxkv import PromptStore
@@ -78,7 +78,7 @@ def test_an_entrys_keys_share_a_slot_and_a_lookup_asks_one_node_for_its_chain(mo
     assert len({node.cluster("keyslot", b) for b in blocks}) == 1
 
     reader = _store(model, cluster)
-    assert reader.take(prompt(96, seed=2)) is None  # the client learns the slot table
+    settled(reader)
     for port in cluster.masters():
         cluster.node(port).config_resetstat()
     assert reader.take(prompt(96, seed=3)) is None  # six blocks, none known: one node asked
@@ -113,6 +113,30 @@ def test_an_unreachable_cluster_is_a_miss_and_a_reported_failure(models):
     assert not store.counters()["tiers"]["redis"]["healthy"]
     assert store.take(tokens + [1]).tier == "ram"
     store.close()
+
+
+def test_a_lookup_while_the_client_is_made_waits_within_its_budget_then_is_skipped():
+    """The breaker's start (a cluster's client learning the slot table as the store opens):
+    a call meanwhile waits for it within the budget; one still waiting then is skipped, not
+    a failure; a start that fails makes the tier failing."""
+    from mlxkv.store.health import Breaker, TierUnavailable
+
+    quick = Breaker("redis", "here", lambda: None, budget=0.5)
+    quick.start(lambda: time.sleep(0.1))
+    assert quick.call(lambda: "answer") == "answer"
+    slow = Breaker("redis", "here", lambda: None, budget=0.2)
+    slow.start(lambda: time.sleep(1.0))
+    t = time.perf_counter()
+    with pytest.raises(TierUnavailable, match="still connecting"):
+        slow.call(lambda: "answer")
+    assert time.perf_counter() - t < 0.6 and slow.healthy and slow.counts["skipped"] == 1
+    broken = Breaker("redis", "here", lambda: None, budget=0.5)
+    broken.start(lambda: 1 / 0)
+    with pytest.raises(TierUnavailable):
+        broken.call(lambda: "answer")
+    assert not broken.healthy and "ZeroDivisionError" in broken.last_error
+    for b in (quick, slow, broken):
+        b.close()
 
 
 # -- servers over real HTTP --------------------------------------------------------------

@@ -13,7 +13,7 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 import pytest
-from store_helpers import LocalCluster, RedisServer, build, continuation, forward
+from store_helpers import LocalCluster, RedisServer, build, continuation, forward, settled
 
 from mlxkv import PromptStore
 from mlxkv.models.seeded import prompt, tokenizer
@@ -42,7 +42,8 @@ def r(server):
 
 def _store(model, server, **kw):
     kw.setdefault("secret", SECRET)
-    return PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), redis=server.url, block_tokens=BLOCK, **kw)
+    store = PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), redis=server.url, block_tokens=BLOCK, **kw)
+    return settled(store)  # a cluster's client has learnt the slot table
 
 
 def _upload(model, server, tokens, **kw):

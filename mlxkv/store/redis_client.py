@@ -10,10 +10,11 @@ and the probe its breaker calls.
   ``ASK`` redirections and refreshes its slot table on a node's failure; mlxkv handles none
   of that itself. The query string takes redis-py's URL options (``ssl_ca_certs=...``).
 
-A cluster's client asks a node for the slot table when it is made, so it is made on first
-use, by the tier's own threads: a cluster that is unreachable when the store opens is a
-failing tier (misses, logged, probed again), as one server is, not a server that fails to
-start. Nothing is sent when a URL is only checked (:func:`check_url`).
+A cluster's client asks a node for the slot table when it is made, so it is made by the
+tier's own thread as the store opens (lookups meanwhile are skipped, not waited for): a
+cluster that is unreachable then is a failing tier (misses, logged, probed again), as one
+server is, not a server that fails to start. Nothing is sent when a URL is only checked
+(:func:`check_url`).
 """
 
 import threading
@@ -126,6 +127,11 @@ class Connection:
             )
 
         return make
+
+    @property
+    def made(self) -> bool:
+        """Whether the client exists (one server's always does: it connects per command)."""
+        return self._client is not None
 
     @property
     def client(self):

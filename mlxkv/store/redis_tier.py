@@ -96,6 +96,8 @@ class RedisTier(Tier):
         where = self.connection.where
         self.health = Breaker("redis", where, self.connection.probe, budget=budget)
         self.opened = Opened("redis", where, None)
+        if not self.connection.made:  # a cluster's client learns the slot table: not on a lookup's budget
+            self.health.start(lambda: self.connection.client)
 
     @property
     def client(self):
