@@ -30,14 +30,12 @@ Timings are medians over interleaved repeats with their min-max spread.
 Usage: python -m benchmarks.store [--sizes 512,2048,8192] [--repeats 3] [--convs 40
        --turns 5 --systems 4 --cap-mib 8] [--entry-mib 32] [--puts 200] [--skip-redis]
        [--parts restore,chat,throughput,ops,cluster] [--cluster] [--cluster-sizes 512,2048]
-       [--requests 24] [--json FILE]
+       [--requests 32] [--system-tokens 1024] [--json FILE]
        (``--cluster`` alone runs part 5 only)
 """
 
 import argparse
 import gc
-import http.client
-import json
 import os
 import random
 import shutil
@@ -440,29 +438,12 @@ def operations(model, n_puts, redis_url, work):
 # -- 5. the shared tier on a Redis Cluster ------------------------------------------------
 
 
-def complete(port, tokens, max_tokens):
-    """(prompt tokens, cached tokens, seconds) of one greedy completion."""
-    from tests.serve_helpers import words
-
-    t = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    data = json.loads(response.read())
-    conn.close()
-    assert response.status == 200, data
-    usage = data["usage"]
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return usage["prompt_tokens"], cached, time.perf_counter() - t
-
-
-def serving(model_dir, cluster, n_requests, n_servers=4, n_systems=4, system_tokens=512, max_tokens=8):
+def serving(model_dir, cluster, n_requests, n_servers=4, n_systems=4, system_tokens=1024, max_tokens=8):
     """``n_servers`` mlxkv serve processes, requests over ``n_systems`` system prompts (each
     with its own user turn of 16-48 tokens) sent one at a time to the processes in a seeded
     random order: prompt tokens forwarded, and request seconds, without a shared tier and
     with the cluster."""
-    from tests.serve_helpers import serve_process
+    from tests.serve_helpers import completion, serve_process
 
     os.environ["MLXKV_STORE_SECRET"] = SECRET  # the servers' (serve_process passes this environment)
     rng = random.Random(0)
@@ -481,39 +462,36 @@ def serving(model_dir, cluster, n_requests, n_servers=4, n_systems=4, system_tok
             d.start()
         try:
             forwarded = total = 0
-            secs, first, later = [], [], []
-            seen = set()
+            secs = {"new everywhere": [], "new to its server": [], "seen by its server": []}
+            seen = {}  # system prompt -> the servers that answered it
             for server, tokens in trace:
-                n, cached, dt = complete(procs[server][1], tokens, max_tokens)
+                system = tuple(tokens[:system_tokens])
+                dt, (_, n, cached) = timed(completion, procs[server][1], tokens, max_tokens, 600)
                 forwarded += n - cached
                 total += n
-                secs.append(dt)
-                (later if tuple(tokens[:system_tokens]) in seen else first).append(dt)
-                seen.add(tuple(tokens[:system_tokens]))
+                kind = "seen by its server" if server in seen.get(system, ()) else "new to its server"
+                secs[kind if system in seen else "new everywhere"].append(dt)
+                seen.setdefault(system, set()).add(server)
                 time.sleep(0.05)
         finally:
             for proc, _ in procs:
                 proc.terminate()
             for proc, _ in procs:
                 proc.wait(60)
-        out[name] = {
-            "forwarded": forwarded,
-            "prompt_tokens": total,
-            "seconds": summary(secs),
-            "seconds_first_of_a_system": summary(first),
-            "seconds_system_seen_before": summary(later),
-        }
+        out[name] = {"forwarded": forwarded, "prompt_tokens": total}
+        out[name]["seconds"] = {k: summary(v) for k, v in secs.items() if v}
         print(
             f"  {n_servers} servers, {name:>14}: forwarded {forwarded} of {total} prompt tokens "
-            f"({100 * forwarded / total:.1f} %); a request {statistics.median(secs):.2f} s "
-            f"({min(secs):.2f}-{max(secs):.2f}), once its system prompt was seen anywhere "
-            f"{statistics.median(later):.2f} s",
+            f"({100 * forwarded / total:.1f} %); request seconds, median (min-max), by its system prompt: "
+            + "; ".join(
+                f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}, {len(v)})" for k, v in secs.items() if v
+            ),
             flush=True,
         )
     return out
 
 
-def on_a_cluster(model, sizes, entry_mib, repeats, n_requests, work):
+def on_a_cluster(model, sizes, entry_mib, repeats, n_requests, system_tokens, work):
     cluster = LocalCluster()
     one = Redis(tcp=True)
     try:
@@ -523,7 +501,7 @@ def on_a_cluster(model, sizes, entry_mib, repeats, n_requests, work):
         print(f"  one {entry_mib} MiB entry")
         out["throughput"] = throughput(entry_mib, repeats, shared, work)
         model_dir = save_model_dir("llama", os.path.join(work, "seeded-llama"))
-        out["serving"] = serving(model_dir, cluster, n_requests)
+        out["serving"] = serving(model_dir, cluster, n_requests, system_tokens=system_tokens)
     finally:
         one.stop()
         cluster.stop()
@@ -544,7 +522,8 @@ def main():
     ap.add_argument("--parts", default=None, help="default: restore,chat,throughput (with --cluster: cluster)")
     ap.add_argument("--cluster", action="store_true", help="part 5: the shared tier on a Redis Cluster")
     ap.add_argument("--cluster-sizes", default="512,2048")
-    ap.add_argument("--requests", type=int, default=24, help="requests of part 5's serving run")
+    ap.add_argument("--requests", type=int, default=32, help="requests of part 5's serving run")
+    ap.add_argument("--system-tokens", type=int, default=1024, help="system prompts of part 5's serving run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     parts = set((args.parts or ("cluster" if args.cluster else "restore,chat,throughput")).split(","))
@@ -572,7 +551,9 @@ def main():
         if "cluster" in parts:
             print("5. the shared tier on a Redis Cluster (3 masters, a replica each, loopback TCP)")
             sizes = [int(s) for s in args.cluster_sizes.split(",")]
-            results["cluster"] = on_a_cluster(model, sizes, args.entry_mib, args.repeats, args.requests, work)
+            results["cluster"] = on_a_cluster(
+                model, sizes, args.entry_mib, args.repeats, args.requests, args.system_tokens, work
+            )
     finally:
         if redis is not None:
             redis.stop()

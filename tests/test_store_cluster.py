@@ -13,8 +13,6 @@ and stopped here; test_store_redis.py runs the tier's rules against it too).
   Redirections (``MOVED``, ``ASK``) are redis-py's.
 """
 
-import http.client
-import json
 import subprocess
 import threading
 import time
@@ -22,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx_lm
 import pytest
-from serve_helpers import serve_process, words
+from serve_helpers import completion, serve_process
 from store_helpers import LocalCluster, build, forward, free_ports, settled
 
 import mlxkv
@@ -154,15 +152,8 @@ class Server:
     def complete(self, tokens):
         """(text, cached tokens, seconds) of one greedy completion."""
         t = time.perf_counter()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        body = {"prompt": words(tokens), "max_tokens": MAX_TOKENS, "temperature": 0.0}
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = json.loads(response.read())
-        conn.close()
-        assert response.status == 200, data
-        cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        return data["choices"][0]["text"], cached, time.perf_counter() - t
+        text, _, cached = completion(self.port, tokens, MAX_TOKENS)
+        return text, cached, time.perf_counter() - t
 
     def stop(self):
         self.proc.terminate()
