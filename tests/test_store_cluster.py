@@ -94,8 +94,9 @@ def test_an_entrys_keys_share_a_slot_and_a_lookup_asks_one_node_for_its_chain(mo
 
 
 def test_an_unreachable_cluster_is_a_miss_and_a_reported_failure(models):
-    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+    url = "redis+cluster://mlxkv:hunter2@" + ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     StoreOptions(cap=1 << 20, redis=url, secret=SECRET)  # its form is checked; nothing is sent
+    StoreOptions(cap=1 << 20, redis="rediss+cluster://[::1]:7000,cache-2/0?ssl_ca_certs=/ca.pem", secret=SECRET)
     for bad in ("redis+cluster://", "redis+cluster://host:port", "redis+cluster://h:1/2", "redis+cluster://h:70000"):
         with pytest.raises(mlxkv.MLXKVError):
             StoreOptions(cap=1 << 20, redis=bad, secret=SECRET)
@@ -110,6 +111,7 @@ def test_an_unreachable_cluster_is_a_miss_and_a_reported_failure(models):
     assert [len(t) for _, t, _ in report.failed] == [40] and "shared tier" in report.failed[0][2]
     assert not store.counters()["tiers"]["redis"]["healthy"]
     assert store.take(tokens + [1]).tier == "ram"
+    assert "hunter2" not in store.open_report[-1].line() and "***@127.0.0.1" in store.open_report[-1].line()
     store.close()
 
 

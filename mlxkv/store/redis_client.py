@@ -73,6 +73,17 @@ def _cluster_nodes(url: str) -> tuple[str, list[ClusterNode]]:
     return first, [ClusterNode(h, p) for h, p in nodes[1:]]
 
 
+def _describe(client) -> str:
+    """Where a given client points, as a URL without credentials (its repr lists every
+    connection option)."""
+    if isinstance(client, RedisCluster):
+        return "redis+cluster://" + ",".join(n.name for n in client.get_nodes())
+    kw = client.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix://{kw['path']}"
+    return f"redis://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+
+
 def check_url(url) -> None:
     """Refuse a URL that is not one of the forms above (nothing is sent)."""
     Connection(url, 1.0)
@@ -89,7 +100,7 @@ class Connection:
         self._make = None
         if isinstance(url_or_client, RedisCluster | redis.Redis):
             self._client = url_or_client
-            self.where = repr(url_or_client)
+            self.where = _describe(url_or_client)
             cluster = isinstance(url_or_client, RedisCluster)
         elif isinstance(url_or_client, str) and url_or_client.startswith(tuple(CLUSTER_SCHEMES)):
             self._make = self._cluster(url_or_client, timeout)
