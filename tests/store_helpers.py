@@ -354,3 +354,10 @@ def settled(store, timeout=30.0):
     if starting is not None:
         starting.result(timeout)
     return store
+
+
+def masters_of(server):
+    """Plain clients of a RedisServer, or of each master of a LocalCluster."""
+    if isinstance(server, LocalCluster):
+        return [server.node(p) for p in server.masters()]
+    return [server.client()]

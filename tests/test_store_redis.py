@@ -13,7 +13,7 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 import pytest
-from store_helpers import LocalCluster, RedisServer, build, continuation, forward, settled
+from store_helpers import LocalCluster, RedisServer, build, continuation, forward, masters_of, settled
 
 from mlxkv import PromptStore
 from mlxkv.models.seeded import prompt, tokenizer
@@ -187,18 +187,11 @@ def test_an_upload_found_present_keeps_its_pieces_alive(models, server, r):
     assert _store(model, server).take(tokens + [1]).prefix_len == 40
 
 
-def _masters(server):
-    """Plain clients of the server, or of each master of the cluster."""
-    if isinstance(server, LocalCluster):
-        return [server.node(p) for p in server.masters()]
-    return [server.client()]
-
-
 def test_eviction_under_maxmemory_gives_misses_never_wrong_caches(models, server, r):
     """A small Redis (on a cluster: each master) with allkeys-lru evicts pieces, manifests
     and block sets as entries pile up, each key on its own: a hit is an entry whose keys all
     survived and gives the logits of a full prefill; anything else is a miss."""
-    masters = _masters(server)
+    masters = masters_of(server)
     for node in masters:  # about 1.6 MB of room in all, 12 entries of 180 KiB need more
         used = node.info("memory")["used_memory"]
         # a master with replicas counts its replication backlog (filled as it writes)
