@@ -154,7 +154,7 @@ class LocalCluster:
     ``cluster-node-timeout`` is ``node_timeout_ms``, so a killed master's replica takes over
     within a few seconds."""
 
-    def __init__(self, masters=3, replicas=1, node_timeout_ms=1000, extra=(), timeout=60.0, tls=False):
+    def __init__(self, masters=3, replicas=1, node_timeout_ms=1000, extra=(), timeout=60.0, tls=False, password=None):
         for exe in ("redis-server", "redis-cli", *(["openssl"] if tls else [])):
             if shutil.which(exe) is None:
                 raise RuntimeError(
@@ -163,6 +163,7 @@ class LocalCluster:
         self.dir = tempfile.mkdtemp(prefix="mlxkv-cluster-")
         self.procs = {}
         self.ca = self._certificates() if tls else None
+        self.password = password
         n = masters * (1 + replicas)
         ports = free_ports(2 * n)
         self.ports, buses = ports[:n], ports[n:]
@@ -214,7 +215,8 @@ class LocalCluster:
         ]
 
     def _cli_tls(self):
-        return [] if self.ca is None else ["--tls", "--cacert", self.ca]
+        auth = [] if self.password is None else ["-a", self.password, "--no-auth-warning"]
+        return auth + ([] if self.ca is None else ["--tls", "--cacert", self.ca])
 
     def _start(self, port, bus, node_timeout_ms, extra):
         d = os.path.join(self.dir, str(port))
@@ -222,6 +224,7 @@ class LocalCluster:
         listen = ["--port", "0", "--tls-port", str(port)] if self.ca else ["--port", str(port)]
         self.procs[port] = subprocess.Popen(
             ["redis-server", *listen, "--bind", "127.0.0.1", "--dir", d, *self._tls_args()]
+            + ([] if self.password is None else ["--requirepass", self.password, "--masterauth", self.password])
             + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)]
             + ["--cluster-node-timeout", str(node_timeout_ms), "--cluster-replica-validity-factor", "0"]
             + ["--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no", *extra],
@@ -245,7 +248,7 @@ class LocalCluster:
     def node(self, port):
         """A plain client of one node (not cluster-aware)."""
         tls = {} if self.ca is None else {"ssl": True, "ssl_ca_certs": self.ca}
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, **tls)
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, password=self.password, **tls)
 
     def alive(self):
         return [p for p, proc in self.procs.items() if proc.poll() is None]

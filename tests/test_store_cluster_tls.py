@@ -1,7 +1,8 @@
-"""The shared tier on a Redis Cluster over TLS (``rediss+cluster://``, the way managed
-clusters are reached): 3 masters on loopback that speak TLS only, with a certificate of the
-test's own authority (given with ``?ssl_ca_certs=``). A client that does not trust the
-certificate, or that does not speak TLS, finds a failing tier: misses, never an error."""
+"""The shared tier on a Redis Cluster over TLS with a password (``rediss+cluster://``, the
+way managed clusters are reached): 3 masters on loopback that speak TLS only and require
+``AUTH``, with a certificate of the test's own authority (given with ``?ssl_ca_certs=``). A
+client that does not trust the certificate, does not speak TLS or has no password finds a
+failing tier: misses, never an error."""
 
 import numpy as np
 import pytest
@@ -12,11 +13,12 @@ from mlxkv.models.seeded import prompt, tokenizer
 
 BLOCK = 16
 SECRET = "a-test-deployment-secret"
+PASSWORD = "a-cluster-password"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = LocalCluster(replicas=0, tls=True)
+    c = LocalCluster(replicas=0, tls=True, password=PASSWORD)
     yield c
     c.stop()
 
@@ -25,9 +27,9 @@ def _store(model, url):
     return PromptStore(model, tokenizer(), cap=64 << 20, redis=url, block_tokens=BLOCK, secret=SECRET)
 
 
-def test_entries_are_shared_over_tls_and_an_untrusted_or_plain_connection_is_a_miss(models, cluster):
+def test_entries_are_shared_over_tls_and_an_untrusted_plain_or_anonymous_client_misses(models, cluster):
     nodes = ",".join(f"127.0.0.1:{p}" for p in cluster.ports[:2])
-    url = f"rediss+cluster://{nodes}?ssl_ca_certs={cluster.ca}"
+    url = f"rediss+cluster://:{PASSWORD}@{nodes}?ssl_ca_certs={cluster.ca}"
     model = models("llama")
     tokens = prompt(40, seed=1)
     with _store(model, url) as writer:
@@ -41,7 +43,12 @@ def test_entries_are_shared_over_tls_and_an_untrusted_or_plain_connection_is_a_m
     want = forward(model, build(model, "bf16", {}, [], 1), tokens + [5])
     np.testing.assert_array_equal(forward(model, hit.caches, [5]), want)
     reader.close()
-    for other, why in ((f"rediss+cluster://{nodes}", "CERTIFICATE_VERIFY_FAILED"), (f"redis+cluster://{nodes}", "")):
+    others = (
+        (f"rediss+cluster://:{PASSWORD}@{nodes}", "CERTIFICATE_VERIFY_FAILED"),
+        (f"redis+cluster://:{PASSWORD}@{nodes}", ""),
+        (f"rediss+cluster://{nodes}?ssl_ca_certs={cluster.ca}", "authenticated"),
+    )
+    for other, why in others:
         store = _store(model, other)
         settled(store)
         assert store.take(tokens + [5]) is None
