@@ -18,14 +18,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import mlx_lm
 import pytest
-from serve_helpers import completion, serve_process
+from serve_helpers import completion, reference_answers, serve_process
 from store_helpers import LocalCluster, build, forward, free_ports, settled
 
 import mlxkv
 from mlxkv import PromptStore
-from mlxkv.models.seeded import prompt, save_model_dir, tokenizer
+from mlxkv.models.seeded import prompt, tokenizer
 from mlxkv.store import StoreOptions
 from mlxkv.store.keys import block_chain, entry_id, identity_seed
 
@@ -163,28 +162,20 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_model_dir("llama", str(tmp_path_factory.mktemp("seeded-llama")))
-
-
-@pytest.fixture(scope="module")
-def cold(model_dir):
+def cold(llama_dir):
     """What a cold start answers: mlx_lm.generate over the whole prompt, fresh caches."""
-    model, tok = mlx_lm.load(model_dir)
-    memo = {}
+    answer, memo = reference_answers(llama_dir, "bf16"), {}
 
-    def answer(tokens):
-        key = tuple(tokens)
-        if key not in memo:
-            caches = mlxkv.make_cache(model, "bf16")
-            memo[key] = mlx_lm.generate(model, tok, tokens, max_tokens=MAX_TOKENS, prompt_cache=caches)
-        return memo[key]
+    def cached(tokens):
+        if tuple(tokens) not in memo:
+            memo[tuple(tokens)] = answer(tokens, MAX_TOKENS)
+        return memo[tuple(tokens)]
 
-    return answer
+    return cached
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, cluster, tmp_path_factory):
+def servers(llama_dir, cluster, tmp_path_factory):
     """a and b on their own --store; c with no directory and RAM for one entry (every
     request it serves looks the cluster up)."""
     base = tmp_path_factory.mktemp("stores")
@@ -197,7 +188,7 @@ def servers(model_dir, cluster, tmp_path_factory):
         mp.setenv("MLXKV_STORE_SECRET", SECRET)
         with ThreadPoolExecutor(3) as pool:
             started = dict(
-                zip(argvs, pool.map(lambda v: Server("--model", model_dir, "--redis", cluster.url, *v), argvs.values()))
+                zip(argvs, pool.map(lambda v: Server("--model", llama_dir, "--redis", cluster.url, *v), argvs.values()))
             )
     yield started
     for s in started.values():
