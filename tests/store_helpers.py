@@ -304,6 +304,46 @@ class LocalCluster:
     def node_id(self, port) -> str:
         return self.node(port).cluster("myid").decode()
 
+    def begin_move(self, key) -> tuple[int, int, int]:
+        """Start moving ``key``'s slot to another master, as ``redis-cli --cluster reshard``
+        moves each slot (``CLUSTER SETSLOT ... IMPORTING`` on the target, ``MIGRATING`` on
+        the source, then ``MIGRATE`` of the keys the slot has); returns (slot, source,
+        target). Until :meth:`end_move`, the slot is the source's and a command on a key it
+        no longer has is answered ``ASK``."""
+        slot = self.node(self.alive()[0]).cluster("keyslot", key)
+        source = self.master_of(key)
+        target = next(p for p in sorted(self.masters()) if p != source)
+        src, dst = self.node(source), self.node(target)
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", self.node_id(source))
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", self.node_id(target))
+        keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100_000)
+        if keys:
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+        return slot, source, target
+
+    def end_move(self, slot, source, target):
+        """The slot is the target's (``CLUSTER SETSLOT ... NODE`` on every master); a client
+        whose slot table is older is answered ``MOVED``."""
+        for port in [target, *(p for p in self.masters() if p != target)]:  # the target first
+            self.node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", self.node_id(target))
+
+    def keys_in_slot(self, port, slot) -> int:
+        return self.node(port).execute_command("CLUSTER COUNTKEYSINSLOT", slot)
+
+    def redirections(self) -> dict:
+        """{"ASK": n, "MOVED": n}: the redirections the masters answered since their last
+        ``CONFIG RESETSTAT``."""
+        out = {"ASK": 0, "MOVED": 0}
+        for port in self.masters():
+            stats = self.node(port).info("errorstats")
+            for name in out:
+                out[name] += stats.get(f"errorstat_{name}", {}).get("count", 0)
+        return out
+
+    def reset_stats(self):
+        for port in self.masters():
+            self.node(port).config_resetstat()
+
     def kill(self, port):
         """SIGKILL one node."""
         proc = self.procs[port]

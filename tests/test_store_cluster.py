@@ -76,19 +76,53 @@ def test_an_entrys_keys_share_a_slot_and_a_lookup_asks_one_node_for_its_chain(mo
 
     reader = _store(model, cluster)
     settled(reader)
-    for port in cluster.masters():
-        cluster.node(port).config_resetstat()
+    cluster.reset_stats()
     assert reader.take(prompt(96, seed=3)) is None  # six blocks, none known: one node asked
     calls = _data_calls(cluster)
     assert sorted(calls.values()) == [0, 0, 6], calls
-    for port in cluster.masters():
-        cluster.node(port).config_resetstat()
+    cluster.reset_stats()
     hit = reader.take(tokens + [5])
     assert hit is not None and hit.tier == "redis" and hit.prefix_len == 96
     touched = {p for p, n in _data_calls(cluster).items() if n}
     assert touched == {cluster.master_of(blocks[0]), cluster.master_of(layout.manifest(seed, eid))}
     want = forward(model, build(model, "bf16", {}, [], 1), tokens + [5])
     assert (forward(model, hit.caches, [5]) == want).all()
+    reader.close()
+
+
+def test_an_entry_written_and_read_while_its_slots_move_follows_ask_then_moved(models, cluster):
+    """The entry's slot and its chain's, moved by hand a step at a time as ``redis-cli
+    --cluster reshard`` moves each slot: an upload while both are migrating (its keys go to
+    the target, the source answering ``ASK``), a read then (``ASK`` again), and a read once
+    the slots are the target's by a client whose slot table is older (``MOVED``): each a
+    hit on the whole entry, none a failure of the tier; the redirections are redis-py's."""
+    cluster.flushall()
+    model = models("llama")
+    tokens = prompt(48, seed=5)
+    want = forward(model, build(model, "bf16", {}, [], 1), tokens + [5])
+    writer, reader = settled(_store(model, cluster, piece_bytes=4096)), settled(_store(model, cluster))
+    layout, seed = writer._redis.layout, identity_seed(writer.identity, "", BLOCK)
+    manifest = layout.manifest(seed, entry_id(seed, tokens))
+    moves = [cluster.begin_move(k) for k in (manifest, layout.blocks(seed, block_chain(seed, tokens, BLOCK))[0])]
+    cluster.reset_stats()
+    writer.put(tokens, build(model, "bf16", {}, tokens, 48))
+    report = writer.flush()
+    assert len(report.uploaded) == 1 and not report.failed, report.failed
+    assert all(cluster.keys_in_slot(t, s) > 0 and cluster.keys_in_slot(f, s) == 0 for s, f, t in moves)
+    assert cluster.redirections()["ASK"] > 0
+    for step in ("ASK", "MOVED"):
+        if step == "MOVED":
+            for move in moves:
+                cluster.end_move(*move)
+        cluster.reset_stats()
+        hit = reader.take(tokens + [5])
+        assert hit is not None and hit.tier == "redis" and hit.prefix_len == 48, step
+        assert (forward(model, hit.caches, [5]) == want).all()
+        assert cluster.redirections()[step] > 0, step
+        reader.shrink(n_entries=0)  # the next take asks the cluster again
+    assert all(s.counters()["tiers"]["redis"]["failures"] == 0 for s in (writer, reader))
+    assert cluster.master_of(manifest) == moves[0][2]
+    writer.close()
     reader.close()
 
 

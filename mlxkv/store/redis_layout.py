@@ -3,12 +3,12 @@
 Both layouts name the same four things (docs/store.md, "The Redis layout"): an entry's
 manifest, its pieces and its upload lease, and the block sets that file entry ids under the
 chained hash of their first ``i`` blocks. A cluster hashes every key to one of 16,384 slots
-and refuses a multi-key command (``MGET``, ``MULTI``/``EXEC``) whose keys are in several, so
+and refuses a multi-key command (``MGET``, a script's keys) whose keys are in several, so
 :class:`ClusterLayout` puts hash tags (the part of a name between ``{`` and ``}`` is all
 that is hashed) in the names:
 
 - an entry's manifest, pieces and lease carry ``{eid}``: they share a slot, so the upload's
-  last step (one ``MULTI``/``EXEC`` giving every key of it the full time to live) and the
+  last step (one script giving every key of it the full time to live) and the
   read of a tensor's pieces (one ``MGET``) are legal, and one entry lives on one node;
   different entries spread over the cluster by their ids;
 - the block sets of one chain carry ``{h[1]}``, the hash of its first block: a lookup's

@@ -61,6 +61,10 @@ MANIFEST_ERRORS = (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackEx
 
 # delete a key only while it still holds the value read (another process may have replaced it)
 _DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+#: an upload's last step: every key of one entry (one slot on a cluster) gets the time to live
+#: at once. A script, not ``MULTI``/``EXEC``: a script is one command, which redis-py follows
+#: through ``ASK`` while its slot migrates; its cluster transactions cannot be (they fail there).
+_EXPIRE_ALL = "for _, k in ipairs(KEYS) do redis.call('EXPIRE', k, ARGV[1]) end return #KEYS"
 
 
 class RedisTier(Tier):
@@ -203,7 +207,7 @@ class RedisTier(Tier):
                 pipe.sadd(b, entry.key)
                 pipe.expire(b, self.ttl)
             pipe.execute()
-            self._expire([*written, mkey], transaction=True)  # the upload is complete: one slot
+            r.register_script(_EXPIRE_ALL)(keys=[*written, mkey], args=[self.ttl])  # the upload is complete
             nbytes = sum(n for _, n, _ in table)
             self.health.count("writes")
             self.health.count("bytes_written", nbytes)
@@ -223,8 +227,8 @@ class RedisTier(Tier):
                 keys += [self.layout.piece(seed, eid, m["upload"], i) for i in range(len(m["pieces"]))]
         self._expire(keys)
 
-    def _expire(self, keys, transaction: bool = False):
-        pipe = self.client.pipeline(transaction=transaction)
+    def _expire(self, keys):
+        pipe = self.client.pipeline(transaction=False)
         for k in keys:
             pipe.expire(k, self.ttl)
         pipe.execute()
