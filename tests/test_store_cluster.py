@@ -336,14 +336,21 @@ def test_slots_migrated_mid_run_cost_no_wrong_answer(cluster, servers, cold):
         stderr=subprocess.PIPE,
         text=True,
     )
-    done = threading.Event()
-    watcher = threading.Thread(target=lambda: (reshard.wait(120), done.set()))
+    done, times = threading.Event(), {}
+
+    def moved():
+        reshard.wait(120)
+        times["moved"] = time.monotonic()
+        done.set()
+
+    watcher = threading.Thread(target=moved)
     watcher.start()
     try:
         record = _through(done, servers, cold)
     finally:
         watcher.join(130)
     assert reshard.returncode == 0, reshard.stderr.read()
+    assert any(t < times["moved"] for t, _, _ in record), record  # requests answered while slots moved
     assert moving and all(cluster.master_of(k) == target for k in moving)
     worst = max(s for _, _, s in record)
     assert worst < slowest + BOUND, (worst, slowest, n)
