@@ -277,14 +277,32 @@ def _healthy(cluster, servers, cold):
     return max(s for _, _, s in record)
 
 
-def _through(done, servers, cold):
-    """Rounds on c while ``done`` is unset, then until a round finds every prompt in the
-    cluster again."""
+def _during(action, servers, cold):
+    """Rounds on c while ``action()`` runs on a thread, then until a round finds every
+    prompt in the cluster again: (the record, when the action began, when it ended)."""
+    done, span = threading.Event(), {}
+
+    def run():
+        span["began"] = time.monotonic()
+        try:
+            action()
+        except BaseException as e:  # re-raised below, in the test
+            span["error"] = e
+        span["ended"] = time.monotonic()
+        done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
     record = []
-    while not done.is_set():
-        _round(servers["c"], cold, record)
-    _rounds(servers["c"], cold, record)
-    return record
+    try:
+        while not done.is_set():
+            _round(servers["c"], cold, record)
+        _rounds(servers["c"], cold, record)
+    finally:
+        thread.join(130)
+    if "error" in span:
+        raise span["error"]
+    return record, span["began"], span["ended"]
 
 
 def test_a_master_killed_mid_run_costs_misses_never_a_wrong_answer(cluster, servers, cold):
@@ -294,26 +312,16 @@ def test_a_master_killed_mid_run_costs_misses_never_a_wrong_answer(cluster, serv
     for k in cluster.keys_matching("*:b:*"):  # the master holding most of c's block sets: lookups fail there
         counts[cluster.master_of(k)] = counts.get(cluster.master_of(k), 0) + 1
     victim = max(counts, key=counts.get)
-    done = threading.Event()
-    times = {}
 
     def failover():
-        times["killed"] = time.monotonic()
         cluster.kill(victim)
-        cluster.wait_ok(60)
-        times["promoted"] = time.monotonic()
-        done.set()
+        cluster.wait_ok(60)  # its replica promoted
 
-    killer = threading.Thread(target=failover)
-    killer.start()
-    try:
-        record = _through(done, servers, cold)
-    finally:
-        killer.join(90)
-    during = [cached for t, cached, _ in record if times["killed"] <= t <= times["promoted"]]
+    record, killed, promoted = _during(failover, servers, cold)
+    during = [cached for t, cached, _ in record if killed <= t <= promoted]
     assert 0 in during, record  # lookups failed over to misses
     worst = max(s for _, _, s in record)
-    assert worst < slowest + BOUND, (worst, slowest, times["promoted"] - times["killed"])
+    assert worst < slowest + BOUND, (worst, slowest, promoted - killed)
 
 
 def test_slots_migrated_mid_run_cost_no_wrong_answer(cluster, servers, cold):
@@ -336,21 +344,9 @@ def test_slots_migrated_mid_run_cost_no_wrong_answer(cluster, servers, cold):
         stderr=subprocess.PIPE,
         text=True,
     )
-    done, times = threading.Event(), {}
-
-    def moved():
-        reshard.wait(120)
-        times["moved"] = time.monotonic()
-        done.set()
-
-    watcher = threading.Thread(target=moved)
-    watcher.start()
-    try:
-        record = _through(done, servers, cold)
-    finally:
-        watcher.join(130)
+    record, _, moved = _during(lambda: reshard.wait(120), servers, cold)
     assert reshard.returncode == 0, reshard.stderr.read()
-    assert any(t < times["moved"] for t, _, _ in record), record  # requests answered while slots moved
+    assert any(t < moved for t, _, _ in record), record  # requests answered while the slots moved
     assert moving and all(cluster.master_of(k) == target for k in moving)
     worst = max(s for _, _, s in record)
     assert worst < slowest + BOUND, (worst, slowest, n)
