@@ -43,7 +43,11 @@ def cluster():
 
 
 def _store(model, cluster, **kw):
-    return PromptStore(model, tokenizer(), cap=64 << 20, redis=cluster.url, block_tokens=BLOCK, secret=SECRET, **kw)
+    """A store on the cluster whose lookups may wait 10 s (the budget is not what these
+    tests test; on a loaded machine a first read could outlast the default 0.5 s: a miss)."""
+    return PromptStore(
+        model, tokenizer(), cap=64 << 20, redis=cluster.url, block_tokens=BLOCK, secret=SECRET, redis_budget=10, **kw
+    )
 
 
 def _data_calls(cluster) -> dict:
