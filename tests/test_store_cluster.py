@@ -9,7 +9,8 @@ and stopped here; test_store_redis.py runs the tier's rules against it too).
   (``redis-cli --cluster reshard``): a third server, whose RAM holds one entry so that every
   request looks the cluster up, answers every request as a cold start answers it, misses
   while the tier fails and hits again after, and no request takes longer than the slowest
-  healthy one plus ``BOUND`` seconds (its read budget, 0.5 s, and room for a loaded machine).
+  healthy one (before, and in the last round, after) plus ``BOUND`` seconds (a lookup's two
+  budgets of 0.5 s, and room for a loaded machine).
   Redirections (``MOVED``, ``ASK``) are redis-py's.
 """
 
@@ -309,6 +310,15 @@ def _during(action, servers, cold):
     return record, span["began"], span["ended"]
 
 
+def _assert_bounded(record, slowest, *context):
+    """No request of ``record`` took longer than the slowest healthy one plus BOUND; the
+    healthy ones are the rounds before (``slowest``) and the last round of ``record``, every
+    prompt found again: the machine's load at both ends of the run counts."""
+    healthy = max(slowest, *(s for _, _, s in record[-len(PROMPTS) :]))
+    worst = max(s for _, _, s in record)
+    assert worst < healthy + BOUND, (worst, healthy, *context)
+
+
 def test_a_master_killed_mid_run_costs_misses_never_a_wrong_answer(cluster, servers, cold):
     slowest = _healthy(cluster, servers, cold)
     cluster.wait_replicated()
@@ -324,8 +334,7 @@ def test_a_master_killed_mid_run_costs_misses_never_a_wrong_answer(cluster, serv
     record, killed, promoted = _during(failover, servers, cold)
     during = [cached for t, cached, _ in record if killed <= t <= promoted]
     assert 0 in during, record  # lookups failed over to misses
-    worst = max(s for _, _, s in record)
-    assert worst < slowest + BOUND, (worst, slowest, promoted - killed)
+    _assert_bounded(record, slowest, promoted - killed)
 
 
 def test_slots_migrated_mid_run_cost_no_wrong_answer(cluster, servers, cold):
@@ -351,6 +360,5 @@ def test_slots_migrated_mid_run_cost_no_wrong_answer(cluster, servers, cold):
     record, _, moved = _during(lambda: reshard.wait(120), servers, cold)
     assert reshard.returncode == 0, reshard.stderr.read()
     assert any(t < moved for t, _, _ in record), record  # requests answered while the slots moved
-    assert moving and all(cluster.master_of(k) == target for k in moving)
-    worst = max(s for _, _, s in record)
-    assert worst < slowest + BOUND, (worst, slowest, n)
+    assert moving and all(cluster.node(target).exists(k) for k in moving)  # the target's own view
+    _assert_bounded(record, slowest, n)
