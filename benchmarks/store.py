@@ -18,11 +18,20 @@
    (one generation thread, a new request through the store every 10 steps, as mlx-lm's
    server has).
 
+5. The shared tier on a Redis Cluster (``--cluster``: 3 masters with a replica each on
+   loopback, and one redis-server on loopback TCP beside it): put and get of one entry and
+   restore latency at N tokens on the cluster, one Redis and the disk, interleaved; then 4
+   ``mlxkv serve`` processes over 4 system prompts (requests spread over the processes in
+   a seeded random order): prompt tokens forwarded and request latency without a shared
+   tier and with the cluster.
+
 Timings are medians over interleaved repeats with their min-max spread.
 
 Usage: python -m benchmarks.store [--sizes 512,2048,8192] [--repeats 3] [--convs 40
        --turns 5 --systems 4 --cap-mib 8] [--entry-mib 32] [--puts 200] [--skip-redis]
-       [--parts restore,chat,throughput,ops] [--json FILE]
+       [--parts restore,chat,throughput,ops,cluster] [--cluster] [--cluster-sizes 512,2048]
+       [--requests 32] [--system-tokens 1024] [--json FILE]
+       (``--cluster`` alone runs part 5 only)
 """
 
 import argparse
@@ -34,33 +43,44 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 import mlxkv
 from benchmarks.common import summary, timed, write_result
-from mlxkv.models.seeded import build_model, prompt, tokenizer
+from mlxkv.models.seeded import build_model, prompt, save_model_dir, tokenizer
 from mlxkv.store import StorePromptCache
+from tests.store_helpers import LocalCluster, free_ports
 
 SECRET = "benchmark-deployment-secret"  # the shared tier authenticates its entries with it
+#: a shared tier timed for its speed: a read may take longer than the default budget (0.5 s,
+#: after which a lookup is a miss) on a busy machine, and is waited for
+TIMING = {"secret": SECRET, "redis_budget": 60.0, "redis_timeout": 60.0}
 
 
 class Redis:
-    def __init__(self):
+    """A private redis-server on a unix socket, or (``tcp``) on a free loopback port, as a
+    cluster's nodes are reached."""
+
+    def __init__(self, tcp=False):
         exe = shutil.which("redis-server")
         if exe is None:
             raise SystemExit("redis-server is not installed (apt-get install -y redis-server), or pass --skip-redis")
         self.dir = tempfile.mkdtemp(prefix="mlxkv-bench-redis-")
         sock = os.path.join(self.dir, "r.sock")
+        port = free_ports(1)[0] if tcp else 0
         self.proc = subprocess.Popen(
-            [exe, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no", "--dir", self.dir],
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--unixsocket", sock]
+            + ["--save", "", "--appendonly", "no", "--dir", self.dir],
             stdout=subprocess.DEVNULL,
         )
         while not os.path.exists(sock):
             time.sleep(0.02)
-        self.url = f"unix://{sock}"
+        self.url = f"redis://127.0.0.1:{port}/0" if tcp else f"unix://{sock}"
 
     def stop(self):
         self.proc.terminate()
@@ -93,7 +113,9 @@ def drop_page_cache(store):
 # -- 1. restore vs re-prefill -------------------------------------------------------------
 
 
-def restore_vs_prefill(model, sizes, repeats, redis_url, work):
+def restore_vs_prefill(model, sizes, repeats, shared, work, with_prefill=True):
+    """Per size: seconds to restore from RAM, disk (page cache, device) and each shared tier
+    (``{name: url}``), and (``with_prefill``) to re-prefill, interleaved per repeat."""
     results = {}
     for n in sizes:
         tokens = prompt(n, seed=7)
@@ -101,19 +123,17 @@ def restore_vs_prefill(model, sizes, repeats, redis_url, work):
         reference = prefill(model, tokens)
         tiers = {"ram": mlxkv.PromptStore(model, tokenizer(), cap=1 << 34)}
         tiers["disk"] = mlxkv.PromptStore(model, tokenizer(), cap=1 << 34, directory=os.path.join(work, f"d{n}"))
-        if redis_url:
-            tiers["redis"] = mlxkv.PromptStore(
-                model, tokenizer(), cap=1 << 34, redis=redis_url, block_tokens=256, secret=SECRET
-            )
+        for name, url in shared.items():
+            tiers[name] = mlxkv.PromptStore(model, tokenizer(), cap=1 << 34, redis=url, block_tokens=256, **TIMING)
         for s in tiers.values():
             s.put(tokens, reference)
             s.flush()
-        times = {k: [] for k in ("prefill", "ram", "disk", "disk_cold", *(["redis"] if redis_url else []))}
+        names = ["ram", "disk", "disk_cold", *shared]
+        times = {k: [] for k in (["prefill"] if with_prefill else []) + names}
         for _ in range(repeats):
-            times["prefill"].append(timed(lambda tokens=tokens: prefill(model, tokens))[0])
-            for tier in ("ram", "disk", "disk_cold", "redis"):
-                if tier not in times:
-                    continue
+            if with_prefill:
+                times["prefill"].append(timed(lambda tokens=tokens: prefill(model, tokens))[0])
+            for tier in names:
                 store = tiers["disk" if tier == "disk_cold" else tier]
                 if tier != "ram":
                     store.shrink(n_entries=0)  # the next take reads the lower tier
@@ -125,16 +145,17 @@ def restore_vs_prefill(model, sizes, repeats, redis_url, work):
         for s in tiers.values():
             s.close()
         row = {k: summary(v) for k, v in times.items()}
-        p = row["prefill"]["median"]
-        row["speedup"] = {k: p / row[k]["median"] for k in times if k != "prefill"}
+        p = row["prefill"]["median"] if with_prefill else None
+        if with_prefill:
+            row["speedup"] = {k: p / row[k]["median"] for k in names}
         results[n] = row
         print(
-            f"{n:>6} tokens: prefill {p * 1e3:9.1f} ms | "
+            f"{n:>6} tokens: "
+            + (f"prefill {p * 1e3:9.1f} ms | " if with_prefill else "")
             + " | ".join(
-                f"{k} {row[k]['median'] * 1e3:7.2f} ms ({row[k]['min'] * 1e3:.2f}-{row[k]['max'] * 1e3:.2f}) "
-                f"{row['speedup'][k]:7.0f}x"
-                for k in times
-                if k != "prefill"
+                f"{k} {row[k]['median'] * 1e3:7.2f} ms ({row[k]['min'] * 1e3:.2f}-{row[k]['max'] * 1e3:.2f})"
+                + (f" {row['speedup'][k]:7.0f}x" if with_prefill else "")
+                for k in names
             ),
             flush=True,
         )
@@ -277,19 +298,22 @@ def synthetic_caches(mib):
     return out, t
 
 
-def throughput(mib, repeats, redis_url, work):
+def throughput(mib, repeats, shared, work):
+    """Put (until durable, or uploaded) and get (RAM emptied) of one ``mib`` MiB entry on the
+    disk and each shared tier (``{name: url}``), interleaved per repeat."""
     caches, t = synthetic_caches(mib)
     ident = {"model_id": "bench", "config_fingerprint": "b" * 64, "tokenizer_hash": ""}
     nbytes = sum(c.nbytes for c in caches)
-    times = {"disk put": [], "disk get": [], "disk get cold": [], "redis put": [], "redis get": []}
+    times = {"disk put": [], "disk get": [], "disk get cold": []}
+    for name in shared:
+        times.update({f"{name} put": [], f"{name} get": []})
     for r in range(repeats):
         tokens = prompt(t, seed=100 + r)
-        for tier in ("disk", "redis"):
-            if tier == "redis" and not redis_url:
-                continue
+        for tier in ("disk", *shared):
             disk = {"directory": os.path.join(work, f"tp{r}")}
-            kw = disk if tier == "disk" else {"redis": redis_url, "secret": SECRET}
+            kw = disk if tier == "disk" else {"redis": shared[tier], **TIMING}
             store = mlxkv.PromptStore(None, cap=1 << 34, identity=ident, block_tokens=256, **kw)
+            store.take(prompt(300, seed=99))  # a miss that connects (a cluster's client learns its slots)
             dt, _ = timed(lambda store=store, tokens=tokens: (store.put(tokens, caches), store.flush()))
             times[f"{tier} put"].append(dt)
             store.shrink(n_entries=0)
@@ -414,6 +438,79 @@ def operations(model, n_puts, redis_url, work):
     return out
 
 
+# -- 5. the shared tier on a Redis Cluster ------------------------------------------------
+
+
+def serving(model_dir, cluster, n_requests, n_servers=4, n_systems=4, system_tokens=1024, max_tokens=8):
+    """``n_servers`` mlxkv serve processes, requests over ``n_systems`` system prompts (each
+    with its own user turn of 16-48 tokens) sent one at a time to the processes in a seeded
+    random order: prompt tokens forwarded, and request seconds, without a shared tier and
+    with the cluster."""
+    from tests.serve_helpers import completion, serve_process
+
+    os.environ["MLXKV_STORE_SECRET"] = SECRET  # the servers' (serve_process passes this environment)
+    rng = random.Random(0)
+    systems = [prompt(system_tokens, seed=9000 + s) for s in range(n_systems)]
+    trace = [
+        (rng.randrange(n_servers), systems[rng.randrange(n_systems)] + prompt(rng.randint(16, 48), seed=9100 + i))
+        for i in range(n_requests)
+    ]
+    out = {}
+    for name, flags in (("no shared tier", []), ("cluster", ["--redis", cluster.url])):
+        cluster.flushall()
+        with ThreadPoolExecutor(n_servers) as pool:
+            procs = list(pool.map(lambda argv: serve_process(*argv), [["--model", model_dir, *flags]] * n_servers))
+        drains = [threading.Thread(target=proc.stderr.read, daemon=True) for proc, _ in procs]
+        for d in drains:
+            d.start()
+        try:
+            forwarded = total = 0
+            secs = {"new everywhere": [], "new to its server": [], "seen by its server": []}
+            seen = {}  # system prompt -> the servers that answered it
+            for server, tokens in trace:
+                system = tuple(tokens[:system_tokens])
+                dt, (_, n, cached) = timed(completion, procs[server][1], tokens, max_tokens, 600)
+                forwarded += n - cached
+                total += n
+                kind = "seen by its server" if server in seen.get(system, ()) else "new to its server"
+                secs[kind if system in seen else "new everywhere"].append(dt)
+                seen.setdefault(system, set()).add(server)
+                time.sleep(0.05)
+        finally:
+            for proc, _ in procs:
+                proc.terminate()
+            for proc, _ in procs:
+                proc.wait(60)
+        out[name] = {"forwarded": forwarded, "prompt_tokens": total}
+        out[name]["seconds"] = {k: summary(v) for k, v in secs.items() if v}
+        print(
+            f"  {n_servers} servers, {name:>14}: forwarded {forwarded} of {total} prompt tokens "
+            f"({100 * forwarded / total:.1f} %); request seconds, median (min-max), by its system prompt: "
+            + "; ".join(
+                f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}, {len(v)})" for k, v in secs.items() if v
+            ),
+            flush=True,
+        )
+    return out
+
+
+def on_a_cluster(model, sizes, entry_mib, repeats, n_requests, system_tokens, work):
+    cluster = LocalCluster()
+    one = Redis(tcp=True)
+    try:
+        shared = {"redis": one.url, "cluster": cluster.url}
+        print("  restore an N-token prefix")
+        out = {"restore": restore_vs_prefill(model, sizes, repeats, shared, work, with_prefill=False)}
+        print(f"  one {entry_mib} MiB entry")
+        out["throughput"] = throughput(entry_mib, repeats, shared, work)
+        model_dir = save_model_dir("llama", os.path.join(work, "seeded-llama"))
+        out["serving"] = serving(model_dir, cluster, n_requests, system_tokens=system_tokens)
+    finally:
+        one.stop()
+        cluster.stop()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="512,2048,8192")
@@ -425,28 +522,41 @@ def main():
     ap.add_argument("--entry-mib", type=int, default=32)
     ap.add_argument("--puts", type=int, default=200)
     ap.add_argument("--skip-redis", action="store_true")
-    ap.add_argument("--parts", default="restore,chat,throughput")
+    ap.add_argument("--parts", default=None, help="default: restore,chat,throughput (with --cluster: cluster)")
+    ap.add_argument("--cluster", action="store_true", help="part 5: the shared tier on a Redis Cluster")
+    ap.add_argument("--cluster-sizes", default="512,2048")
+    ap.add_argument("--requests", type=int, default=32, help="requests of part 5's serving run")
+    ap.add_argument("--system-tokens", type=int, default=1024, help="system prompts of part 5's serving run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    parts = set(args.parts.split(","))
+    parts = set((args.parts or ("cluster" if args.cluster else "restore,chat,throughput")).split(","))
+    if args.cluster:
+        parts.add("cluster")
     model = build_model("llama")
-    redis = None if args.skip_redis else Redis()
+    redis = None if args.skip_redis or parts == {"cluster"} else Redis()
+    shared = {"redis": redis.url} if redis else {}
     work = tempfile.mkdtemp(prefix="mlxkv-bench-store-")
     results = {}
     try:
         if "restore" in parts:
             print("1. restore an N-token prefix vs re-prefill (seeded llama, bf16)")
             sizes = [int(s) for s in args.sizes.split(",")]
-            results["restore"] = restore_vs_prefill(model, sizes, args.repeats, redis and redis.url, work)
+            results["restore"] = restore_vs_prefill(model, sizes, args.repeats, shared, work)
         if "chat" in parts:
             print(f"2. chat trace: {args.convs} conversations x {args.turns} turns over {args.systems} system prompts")
             results["chat"] = chat(model, args.convs, args.turns, args.systems, int(args.cap_mib * 2**20), work)
         if "throughput" in parts:
             print("3. one entry: Redis vs disk")
-            results["throughput"] = throughput(args.entry_mib, args.repeats, redis and redis.url, work)
+            results["throughput"] = throughput(args.entry_mib, args.repeats, shared, work)
         if "ops" in parts:
             print("4. operations: take latency, RSS over puts, a bystander with Redis stopped")
             results["ops"] = operations(model, args.puts, redis and redis.url, work)
+        if "cluster" in parts:
+            print("5. the shared tier on a Redis Cluster (3 masters, a replica each, loopback TCP)")
+            sizes = [int(s) for s in args.cluster_sizes.split(",")]
+            results["cluster"] = on_a_cluster(
+                model, sizes, args.entry_mib, args.repeats, args.requests, args.system_tokens, work
+            )
     finally:
         if redis is not None:
             redis.stop()

@@ -1,6 +1,8 @@
 """Shared by the server tests: prompts as words the seeded tokenizer reads, the server
 started in this process or as the ``mlxkv serve`` command a user starts, and clients."""
 
+import http.client
+import json
 import os
 import re
 import subprocess
@@ -71,3 +73,18 @@ class Running:
 def openai_client(port) -> openai.OpenAI:
     """The official client, pointed at the server on loopback (no retries: each request once)."""
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def completion(port, tokens, max_tokens, timeout=120):
+    """One greedy completion of ``tokens`` over real HTTP: (text, prompt tokens, cached
+    tokens) from its answer and usage block."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = json.loads(response.read())
+    conn.close()
+    assert response.status == 200, data
+    usage = data["usage"]
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return data["choices"][0]["text"], usage["prompt_tokens"], cached

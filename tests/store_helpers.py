@@ -9,6 +9,7 @@ import warnings
 
 import mlx.core as mx
 import numpy as np
+import redis
 
 from mlxkv.caches.schemes import make_cache, parse_scheme
 from mlxkv.errors import SchemeError
@@ -117,8 +118,6 @@ class RedisServer:
         return f"unix://{self.socket}"
 
     def client(self):
-        import redis
-
         return redis.Redis.from_url(self.url)
 
     def stop(self):
@@ -130,3 +129,278 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def free_ports(n):
+    """``n`` TCP ports on loopback that were free a moment ago (the OS picks them)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalCluster:
+    """A Redis Cluster on loopback: ``masters`` masters with ``replicas`` replicas each, on
+    private ports chosen free at start, built with ``redis-cli --cluster create``; ready when
+    every node says ``cluster_state:ok`` and every replica's link to its master is up.
+    ``cluster-node-timeout`` is ``node_timeout_ms``, so a killed master's replica takes over
+    within a few seconds."""
+
+    def __init__(self, masters=3, replicas=1, node_timeout_ms=1000, extra=(), timeout=60.0, tls=False, password=None):
+        for exe in ("redis-server", "redis-cli", *(["openssl"] if tls else [])):
+            if shutil.which(exe) is None:
+                raise RuntimeError(
+                    f"{exe} is not installed: the cluster tests need it (apt-get install -y redis-server)"
+                )
+        self.dir = tempfile.mkdtemp(prefix="mlxkv-cluster-")
+        self.procs = {}
+        self.ca = self._certificates() if tls else None
+        self.password = password
+        n = masters * (1 + replicas)
+        ports = free_ports(2 * n)
+        self.ports, buses = ports[:n], ports[n:]
+        try:
+            for port, bus in zip(self.ports, buses):
+                self._start(port, bus, node_timeout_ms, extra)
+            for port in self.ports:
+                self._wait(lambda p=port: self.node(p).ping(), timeout)
+            out = subprocess.run(
+                ["redis-cli", *self._cli_tls(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
+                + ["--cluster-replicas", str(replicas), "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _certificates(self) -> str:
+        """A certificate authority and a certificate for 127.0.0.1 that every node presents;
+        returns the authority's path."""
+        d = os.path.join(self.dir, "tls")
+        os.makedirs(d)
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+        def run(*args):
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+        run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=mlxkv test CA")
+        run("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+        with open(os.path.join(d, "san"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+        sign = ["-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2", "-extfile", "san"]
+        run("x509", "-req", "-in", "node.csr", *sign, "-out", "node.crt")
+        return os.path.join(d, "ca.crt")
+
+    def _tls_args(self):
+        if self.ca is None:
+            return []
+        d = os.path.dirname(self.ca)
+        files = ["--tls-cert-file", os.path.join(d, "node.crt"), "--tls-key-file", os.path.join(d, "node.key")]
+        return ["--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no", *files] + [
+            "--tls-ca-cert-file",
+            self.ca,
+        ]
+
+    def _cli_tls(self):
+        auth = [] if self.password is None else ["-a", self.password, "--no-auth-warning"]
+        return auth + ([] if self.ca is None else ["--tls", "--cacert", self.ca])
+
+    def _start(self, port, bus, node_timeout_ms, extra):
+        d = os.path.join(self.dir, str(port))
+        os.makedirs(d)
+        listen = ["--port", "0", "--tls-port", str(port)] if self.ca else ["--port", str(port)]
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", *listen, "--bind", "127.0.0.1", "--dir", d, *self._tls_args()]
+            + ([] if self.password is None else ["--requirepass", self.password, "--masterauth", self.password])
+            + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)]
+            + ["--cluster-node-timeout", str(node_timeout_ms), "--cluster-replica-validity-factor", "0"]
+            + ["--repl-diskless-sync-delay", "0", "--save", "", "--appendonly", "no", *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    @staticmethod
+    def _wait(ready, timeout):
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if ready():
+                    return
+            except Exception:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the cluster did not become ready")
+            time.sleep(0.05)
+
+    def node(self, port):
+        """A plain client of one node (not cluster-aware)."""
+        tls = {} if self.ca is None else {"ssl": True, "ssl_ca_certs": self.ca}
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, password=self.password, **tls)
+
+    def alive(self):
+        return [p for p, proc in self.procs.items() if proc.poll() is None]
+
+    def ready(self) -> bool:
+        """Every live node says cluster_state:ok and knows every live node's role; every
+        live replica's link is up; every slot has a live master."""
+        live = self.alive()
+        for p in live:
+            r = self.node(p)
+            if r.cluster("info")["cluster_state"] != "ok":
+                return False
+            info = r.info("replication")
+            if info["role"] == "slave" and info.get("master_link_status") != "up":
+                return False
+        covered = 0
+        for start, end, master, *_ in self.node(live[0]).execute_command("CLUSTER SLOTS"):
+            if int(master[1]) not in live:
+                return False
+            covered += end - start + 1
+        return covered == 16384
+
+    def wait_ok(self, timeout=60.0):
+        self._wait(self.ready, timeout)
+
+    def wait_replicated(self, timeout=30.0):
+        """Until every live master's replicas have acknowledged all it wrote."""
+
+        def caught_up():
+            for port in self.masters():
+                info = self.node(port).info("replication")
+                replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                if any(r["offset"] != info["master_repl_offset"] for r in replicas):
+                    return False
+            return True
+
+        self._wait(caught_up, timeout)
+
+    def masters(self):
+        """{port: (first slot, last slot) ranges} of the live masters holding slots."""
+        out = {}
+        for start, end, master, *_ in self.node(self.alive()[0]).execute_command("CLUSTER SLOTS"):
+            out.setdefault(int(master[1]), []).append((start, end))
+        return out
+
+    def master_of(self, key) -> int:
+        slot = self.node(self.alive()[0]).cluster("keyslot", key)
+        for port, ranges in self.masters().items():
+            if any(a <= slot <= b for a, b in ranges):
+                return port
+        raise AssertionError(f"no master holds slot {slot}")
+
+    def node_id(self, port) -> str:
+        return self.node(port).cluster("myid").decode()
+
+    def begin_move(self, key) -> tuple[int, int, int]:
+        """Start moving ``key``'s slot to another master, as ``redis-cli --cluster reshard``
+        moves each slot (``CLUSTER SETSLOT ... IMPORTING`` on the target, ``MIGRATING`` on
+        the source, then ``MIGRATE`` of the keys the slot has); returns (slot, source,
+        target). Until :meth:`end_move`, the slot is the source's and a command on a key it
+        no longer has is answered ``ASK``."""
+        slot = self.node(self.alive()[0]).cluster("keyslot", key)
+        source = self.master_of(key)
+        target = next(p for p in sorted(self.masters()) if p != source)
+        src, dst = self.node(source), self.node(target)
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", self.node_id(source))
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", self.node_id(target))
+        keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100_000)
+        if keys:
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+        return slot, source, target
+
+    def end_move(self, slot, source, target):
+        """The slot is the target's (``CLUSTER SETSLOT ... NODE`` on every master); a client
+        whose slot table is older is answered ``MOVED``."""
+        for port in [target, *(p for p in self.masters() if p != target)]:  # the target first
+            self.node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", self.node_id(target))
+
+    def keys_in_slot(self, port, slot) -> int:
+        return self.node(port).execute_command("CLUSTER COUNTKEYSINSLOT", slot)
+
+    def redirections(self) -> dict:
+        """{"ASK": n, "MOVED": n}: the redirections the masters answered since their last
+        ``CONFIG RESETSTAT``."""
+        out = {"ASK": 0, "MOVED": 0}
+        for port in self.masters():
+            stats = self.node(port).info("errorstats")
+            for name in out:
+                out[name] += stats.get(f"errorstat_{name}", {}).get("count", 0)
+        return out
+
+    def reset_stats(self):
+        for port in self.masters():
+            self.node(port).config_resetstat()
+
+    def kill(self, port):
+        """SIGKILL one node."""
+        proc = self.procs[port]
+        proc.kill()
+        proc.wait()
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def client(self):
+        """A cluster client whose KEYS, FLUSHALL and DBSIZE span every master (as one
+        server's do)."""
+        return _WholeCluster(host="127.0.0.1", port=self.alive()[0], socket_timeout=5)
+
+    def flushall(self):
+        for port in self.masters():
+            self.node(port).flushall()
+
+    def keys_matching(self, pattern="*"):
+        return [k for port in self.masters() for k in self.node(port).keys(pattern)]
+
+    def stop(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _WholeCluster(redis.RedisCluster):
+    def keys(self, pattern="*", **kw):
+        return super().keys(pattern, target_nodes=self.PRIMARIES, **kw)
+
+    def flushall(self, *args, **kw):
+        return super().flushall(*args, target_nodes=self.PRIMARIES, **kw)
+
+    def dbsize(self, **kw):
+        return super().dbsize(target_nodes=self.PRIMARIES, **kw)
+
+
+def settled(store, timeout=30.0):
+    """Until a store's shared tier has made its client (a cluster's learns the slot table as
+    the store opens), or failed to: a lookup then asks the tier at once."""
+    starting = store._redis.health._starting
+    if starting is not None:
+        starting.result(timeout)
+    return store
+
+
+def masters_of(server):
+    """Plain clients of a RedisServer, or of each master of a LocalCluster."""
+    if isinstance(server, LocalCluster):
+        return [server.node(p) for p in server.masters()]
+    return [server.client()]

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import Running, serve_process, words
+from serve_helpers import Running, completion, serve_process, words
 from store_helpers import RedisServer
 
 import mlxkv
@@ -59,15 +59,8 @@ def answer(loaded, tokens, cached, max_tokens, **cache_options):
 
 
 def complete(port, tokens, max_tokens=6):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    data = json.loads(response.read())
-    conn.close()
-    assert response.status == 200, data
-    cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return data["choices"][0]["text"], cached
+    text, _, cached = completion(port, tokens, max_tokens)
+    return text, cached
 
 
 def serve(model_dir, *extra):

@@ -4,7 +4,8 @@ logged once, and used again when it answers; an uploader killed mid-upload (SIGK
 nothing that outlives its lease and no entry neither uploaded nor failed; a shutdown with
 Redis hung is bounded and leaves the disk's entries durable; entries are authenticated
 (another secret, a rewritten header, another tenant's key: misses), every read bounded by
-what the store may hold, the joined bytes checked against the header's CRC-32."""
+what the store may hold, the joined bytes checked against the header's CRC-32 (these on
+one server and on a real Redis Cluster too)."""
 
 import gc
 import json
@@ -18,7 +19,7 @@ import zlib
 
 import msgpack
 import pytest
-from store_helpers import RedisServer, build
+from store_helpers import LocalCluster, RedisServer, build, masters_of, settled
 
 from mlxkv import PromptStore, StoreTrustError
 from mlxkv.models.seeded import prompt, tokenizer
@@ -42,10 +43,31 @@ def server():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalCluster()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=["server", "cluster"])
+def shared(request):
+    """The trust tests' shared tier: a redis-server of their own, or the module's Redis
+    Cluster, emptied (one tier, two key layouts: the same rules)."""
+    if request.param == "server":
+        s = RedisServer()
+        yield s
+        s.stop()
+    else:
+        c = request.getfixturevalue("cluster")
+        c.flushall()
+        yield c
+
+
 def _store(model, server, **kw):
     kw.setdefault("secret", SECRET)
     kw.setdefault("cap", CAP)
-    return PromptStore(model, tokenizer(), redis=server.url, block_tokens=BLOCK, **kw)
+    return settled(PromptStore(model, tokenizer(), redis=server.url, block_tokens=BLOCK, **kw))
 
 
 def _upload(model, server, tokens, **kw):
@@ -56,7 +78,7 @@ def _upload(model, server, tokens, **kw):
 
 def _manifest(r, store, tokens, ns=""):
     seed = identity_seed(store.identity, ns, BLOCK)
-    key = store._redis.manifest_key(seed, entry_id(seed, tokens))
+    key = store._redis.layout.manifest(seed, entry_id(seed, tokens))
     return key, msgpack.unpackb(r.get(key))
 
 
@@ -205,24 +227,24 @@ def test_an_uploader_killed_mid_upload_leaves_nothing_that_outlives_its_lease(mo
     assert all(r.ttl(k) > 3600 for k in r.keys("*"))
 
 
-def test_no_secret_no_shared_tier(models, server):
+def test_no_secret_no_shared_tier(models, shared):
     with pytest.raises(StoreTrustError, match="secret"):
-        PromptStore(models("llama"), tokenizer(), cap=CAP, redis=server.url)
+        PromptStore(models("llama"), tokenizer(), cap=CAP, redis=shared.url)
 
 
-def test_entries_of_another_secret_or_rewritten_are_misses(models, server):
+def test_entries_of_another_secret_or_rewritten_are_misses(models, shared):
     """An entry uploaded under another deployment's secret is never served; neither is one
     whose header a raw client rewrote (tokens of another prompt on the same pieces)."""
     model = models("llama")
     tokens = prompt(40, seed=1)
-    _upload(model, server, tokens, secret="another-deployment-secret")
-    store = _store(model, server)
+    _upload(model, shared, tokens, secret="another-deployment-secret")
+    store = _store(model, shared)
     assert store.take(tokens + [1]) is None
     assert store.counters()["tiers"]["redis"]["refused"] >= 1
-    server.client().flushall()
+    shared.client().flushall()
 
-    _upload(model, server, tokens)
-    r = server.client()
+    _upload(model, shared, tokens)
+    r = shared.client()
     key, m = _manifest(r, store, tokens)
     header = json.loads(m["header"])
     other = prompt(40, seed=2)
@@ -230,81 +252,81 @@ def test_entries_of_another_secret_or_rewritten_are_misses(models, server):
     m["header"] = json.dumps(header, separators=(",", ":"))
     m["headerCrc32"] = f"{zlib.crc32(m['header'].encode()):08x}"
     seed = identity_seed(store.identity, "", BLOCK)
-    r.set(store._redis.manifest_key(seed, entry_id(seed, other)), msgpack.packb(m))
-    for h in block_chain(seed, other, BLOCK):
-        r.sadd(store._redis.block_key(seed, h), entry_id(seed, other))
+    r.set(store._redis.layout.manifest(seed, entry_id(seed, other)), msgpack.packb(m))
+    for b in store._redis.layout.blocks(seed, block_chain(seed, other, BLOCK)):
+        r.sadd(b, entry_id(seed, other))
     assert store.take(other + [1]) is None  # the pieces say otherwise: its HMAC does not match
     assert store.take(tokens + [1]).prefix_len == 40  # the genuine entry is untouched
 
 
-def test_a_tenant_cannot_write_into_another_tenants_namespace(models, server):
+def test_a_tenant_cannot_write_into_another_tenants_namespace(models, shared):
     """A tenant's server holds only its namespace's key: it cannot put into another
     namespace, and an entry it writes under another namespace with its own key is a miss
     for that namespace's readers."""
     model = models("llama")
     tokens = prompt(40, seed=1)
     key_b = namespace_key(SECRET, "tenant-b")
-    tenant_b = _store(model, server, secret=None, namespace_keys={"tenant-b": key_b})
+    tenant_b = _store(model, shared, secret=None, namespace_keys={"tenant-b": key_b})
     with pytest.raises(StoreTrustError, match="tenant-a"):
         tenant_b.put(tokens, build(model, "bf16", {}, tokens, 40), ns="tenant-a")
     assert tenant_b.take(tokens + [1], ns="tenant-a") is None
     tenant_b.put(tokens, build(model, "bf16", {}, tokens, 40), ns="tenant-b")
     tenant_b.flush()
     # a forger: tenant b's key passed off as tenant a's
-    forger = _store(model, server, secret=None, namespace_keys={"tenant-a": key_b})
+    forger = _store(model, shared, secret=None, namespace_keys={"tenant-a": key_b})
     forger.put(tokens, build(model, "bf16", {}, tokens, 40), ns="tenant-a")
     assert len(forger.flush().uploaded) == 1
-    reader = _store(model, server)  # the deployment's server: every namespace's key
+    reader = _store(model, shared)  # the deployment's server: every namespace's key
     assert reader.take(tokens + [1], ns="tenant-a") is None
     assert reader.take(tokens + [1], ns="tenant-b").prefix_len == 40
 
 
-def test_the_joined_bytes_are_checked_against_the_headers_crc32(models, server):
+def test_the_joined_bytes_are_checked_against_the_headers_crc32(models, shared):
     """A zeroed piece with its piece-table CRC updated (and the HMAC recomputed, as a buggy
     writer holding the secret would) is refused by the header's CRC-32 of the tensor."""
     model = models("llama")
     tokens = prompt(40, seed=1)
-    _upload(model, server, tokens, piece_bytes=4096)
-    store = _store(model, server)
-    r = server.client()
+    _upload(model, shared, tokens, piece_bytes=4096)
+    store = _store(model, shared)
+    r = shared.client()
     key, m = _manifest(r, store, tokens)
     seed = identity_seed(store.identity, "", BLOCK)
     eid = entry_id(seed, tokens)
     name, size, _ = m["pieces"][2]
-    r.set(store._redis.piece_key(seed, eid, m["upload"], 2), bytes(size))
+    r.set(store._redis.layout.piece(seed, eid, m["upload"], 2), bytes(size))
     m["pieces"][2][2] = zlib.crc32(bytes(size))
     mac = EntryMac(namespace_key(SECRET, ""), seed[:16].hex(), eid, m["upload"], m["header"])
     for i, (n, _, _) in enumerate(m["pieces"]):
-        mac.piece(n, r.get(store._redis.piece_key(seed, eid, m["upload"], i)))
+        mac.piece(n, r.get(store._redis.layout.piece(seed, eid, m["upload"], i)))
     m["mac"] = mac.hexdigest()
     r.set(key, msgpack.packb(m))
     assert store.take(tokens + [1]) is None
     assert r.get(key) is None  # damaged: its manifest goes
 
 
-def _net_out(r):
-    return r.info("stats")["total_net_output_bytes"]
+def _net_out(server):
+    return sum(node.info("stats")["total_net_output_bytes"] for node in masters_of(server))
 
 
-def test_reads_are_bounded_by_what_the_store_may_hold(models, server):
+def test_reads_are_bounded_by_what_the_store_may_hold(models, shared):
     """Manifests larger than a reader fetches, and an entry larger than the store's cap, are
     never downloaded: Redis sends a few KiB, not the megabytes they hold."""
     model = models("llama")
     tokens = prompt(600, seed=5)  # 1.2 MiB of cache
-    _upload(model, server, tokens)
-    small = _store(model, server, cap=1 << 20)
-    r = server.client()
-    before = _net_out(r)
+    _upload(model, shared, tokens)
+    small = _store(model, shared, cap=1 << 20)
+    r = shared.client()
+    before = _net_out(shared)
     assert small.take(tokens + [1]) is None
-    assert _net_out(r) - before < 64 << 10
-    big = _store(model, server)
+    assert _net_out(shared) - before < 64 << 10
+    big = _store(model, shared)
     key, m = _manifest(r, big, tokens)
     seed = identity_seed(big.identity, "", BLOCK)
-    block = big._redis.block_key(seed, block_chain(seed, tokens, BLOCK)[0])
+    block = big._redis.layout.blocks(seed, block_chain(seed, tokens, BLOCK))[0]
     for i in range(6):  # foreign manifests of 5 MiB each, filed under the prompt's first block
-        r.set(big._redis.manifest_key(seed, f"{i:032x}"), b"\x00" * (5 << 20))
+        r.set(big._redis.layout.manifest(seed, f"{i:032x}"), b"\x00" * (5 << 20))
         r.sadd(block, f"{i:032x}")
-    before = _net_out(r)
+    before = _net_out(shared)
     hit = big.take(tokens[:40] + [1])
     assert hit is not None and hit.prefix_len == 40
-    assert _net_out(r) - before < 2 << 20  # the genuine entry, not 30 MiB of foreign manifests
+    assert _net_out(shared) - before < 2 << 20  # the genuine entry, not 30 MiB of foreign manifests

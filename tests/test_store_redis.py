@@ -1,5 +1,7 @@
 """The shared tier against a real redis-server (started here on a private unix socket; the
-tests fail, not skip, when it is not installed: `apt-get install -y redis-server`)."""
+tests fail, not skip, when it is not installed: `apt-get install -y redis-server`), and the
+same tests against a real Redis Cluster on loopback (3 masters, a replica each): one tier,
+two key layouts, the same rules."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 import pytest
-from store_helpers import RedisServer, build, continuation, forward
+from store_helpers import LocalCluster, RedisServer, build, continuation, forward, masters_of, settled
 
 from mlxkv import PromptStore
 from mlxkv.models.seeded import prompt, tokenizer
@@ -24,9 +26,9 @@ CAP = 64 << 20
 SECRET = "a-test-deployment-secret"
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = RedisServer()
+@pytest.fixture(scope="module", params=["server", "cluster"])
+def server(request):
+    s = RedisServer() if request.param == "server" else LocalCluster()
     yield s
     s.stop()
 
@@ -40,7 +42,8 @@ def r(server):
 
 def _store(model, server, **kw):
     kw.setdefault("secret", SECRET)
-    return PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), redis=server.url, block_tokens=BLOCK, **kw)
+    store = PromptStore(model, tokenizer(), cap=kw.pop("cap", CAP), redis=server.url, block_tokens=BLOCK, **kw)
+    return settled(store)  # a cluster's client has learnt the slot table
 
 
 def _upload(model, server, tokens, **kw):
@@ -66,6 +69,7 @@ print(len(store.flush().uploaded))
 """
 
 
+@pytest.mark.parametrize("server", ["server"], indirect=True)  # the cluster: test_store_cluster.py's servers
 def test_two_processes_share_a_system_prompt(models, server, r):
     """Another process uploads system prompt + its question; this one, with an empty RAM
     tier, forwards only its own suffix and gets the logits of a full prefill."""
@@ -138,7 +142,7 @@ def test_one_process_uploads_a_prefix(models, server, r):
     tokens = prompt(40, seed=1)
     store = _store(model, server)
     seed = identity_seed(store.identity, "", BLOCK)
-    lease = store._redis.lease_key(seed, entry_id(seed, tokens))
+    lease = store._redis.layout.lease(seed, entry_id(seed, tokens))
     r.set(lease, "another-process", px=1500)
     t0 = time.monotonic()
     assert len(_upload(model, server, tokens).uploaded) == 1
@@ -183,42 +187,55 @@ def test_an_upload_found_present_keeps_its_pieces_alive(models, server, r):
     assert _store(model, server).take(tokens + [1]).prefix_len == 40
 
 
-def test_eviction_under_maxmemory_gives_misses_never_wrong_caches(models):
-    """A small Redis with allkeys-lru evicts pieces, manifests and block sets as entries pile
-    up: a hit is an entry whose keys all survived and gives the logits of a full prefill;
-    anything else is a miss."""
-    small = RedisServer("--maxmemory", "2500kb", "--maxmemory-policy", "allkeys-lru")
+def test_eviction_under_maxmemory_gives_misses_never_wrong_caches(models, server, r):
+    """A small Redis (on a cluster: each master) with allkeys-lru evicts pieces, manifests
+    and block sets as entries pile up, each key on its own: a hit is an entry whose keys all
+    survived and gives the logits of a full prefill; anything else is a miss."""
+    masters = masters_of(server)
+    for node in masters:  # about 1.6 MB of room in all, 12 entries of 180 KiB need more
+        used = node.info("memory")["used_memory"]
+        # a master with replicas counts its replication backlog (filled as it writes)
+        backlog = (
+            int(node.config_get("repl-backlog-size")["repl-backlog-size"])
+            if node.info("replication")["connected_slaves"]
+            else 0
+        )
+        node.config_set("maxmemory-policy", "allkeys-lru")
+        node.config_set("maxmemory", used + backlog + (1600 << 10) // len(masters))
     try:
         model = models("llama")
         entries = [prompt(90, seed=s) for s in range(12)]  # ~180 KiB each
         for t in entries:
-            _upload(model, small, t, piece_bytes=8192)
-        r = small.client()
-        assert r.info("stats")["evicted_keys"] > 0
-        store = _store(model, small)
+            _upload(model, server, t, piece_bytes=8192)
+        assert sum(node.info("stats")["evicted_keys"] for node in masters) > 0
+        store = _store(model, server)
         seed = identity_seed(store.identity, "", BLOCK)
         whole = set()
         for i, t in enumerate(entries):
             eid = entry_id(seed, t)
-            raw = r.get(store._redis.manifest_key(seed, eid))
-            blocks = [store._redis.block_key(seed, h) for h in block_chain(seed, t, BLOCK)]
+            raw = r.get(store._redis.layout.manifest(seed, eid))
+            blocks = store._redis.layout.blocks(seed, block_chain(seed, t, BLOCK))
             if raw is None or not any(r.sismember(b, eid) for b in blocks):
                 continue
             m = msgpack.unpackb(raw)
-            keys = [store._redis.piece_key(seed, eid, m["upload"], j) for j in range(len(m["pieces"]))]
+            keys = [store._redis.layout.piece(seed, eid, m["upload"], j) for j in range(len(m["pieces"]))]
             if all(r.exists(k) for k in keys):
                 whole.add(i)
         hits = set()
-        for i, t in enumerate(entries):
+        for i, t in reversed(list(enumerate(entries))):  # the newest first: the likeliest whole
             hit = store.take(t + [7])
-            if hit is not None:
+            if hit is None:
+                continue
+            want = forward(model, build(model, "bf16", {}, [], 1), t + [7])
+            np.testing.assert_array_equal(forward(model, hit.caches, (t + [7])[hit.prefix_len :]), want)
+            if hit.prefix_len == len(t):  # its own entry (one promoted to RAM may share a first token)
                 hits.add(i)
-                want = forward(model, build(model, "bf16", {}, [], 1), t + [7])
-                np.testing.assert_array_equal(forward(model, hit.caches, [7]), want)
         # reads can evict more (a reply buffer counts against maxmemory): a hit needs a whole entry
         assert hits <= whole
     finally:
-        small.stop()
+        for node in masters:
+            node.config_set("maxmemory", 0)
+            node.config_set("maxmemory-policy", "noeviction")
 
 
 def test_redis_down_is_a_miss_and_a_reported_failure(models, tmp_path):
@@ -237,7 +254,8 @@ def test_redis_down_is_a_miss_and_a_reported_failure(models, tmp_path):
 
 def test_the_layout_reads_back_without_mlxkv(models, server, r):
     """docs/store.md's Redis layout is enough to read an entry with msgpack, json, zlib and
-    numpy alone: names from the seed and chain, manifest, pieces, checksums."""
+    numpy alone: names from the seed and chain (a cluster's with their hash tags: the
+    entry's id, the chain's first block), manifest, pieces, checksums."""
     import hashlib
 
     model = models("llama")
@@ -258,15 +276,18 @@ def test_the_layout_reads_back_without_mlxkv(models, server, r):
     space = seed[:16].hex()
     u32 = np.asarray(tokens, dtype="<u4").tobytes()
     h = hashlib.sha256(seed + u32[: 4 * BLOCK]).digest()  # the first block's chain hash
-    (eid,) = r.smembers(f"mlxkv:{space}:b:{h[:16].hex()}")
+    cluster = isinstance(server, LocalCluster)
+    root = h[:16].hex()
+    (eid,) = r.smembers(f"mlxkv:{space}:b:{{{root}}}:{root}" if cluster else f"mlxkv:{space}:b:{root}")
     assert eid.decode() == hashlib.sha256(seed + u32).digest()[:16].hex()
-    manifest = msgpack.unpackb(r.get(f"mlxkv:{space}:m:{eid.decode()}"))
+    tagged = f"{{{eid.decode()}}}" if cluster else eid.decode()
+    manifest = msgpack.unpackb(r.get(f"mlxkv:{space}:m:{tagged}"))
     assert manifest["v"] == 2 and f"{zlib.crc32(manifest['header'].encode()):08x}" == manifest["headerCrc32"]
     header = json.loads(manifest["header"])
     assert header["tokens"] == tokens
     data = {}
     for i, (name, nbytes, crc) in enumerate(manifest["pieces"]):
-        piece = r.get(f"mlxkv:{space}:p:{eid.decode()}:{manifest['upload']}:{i}")
+        piece = r.get(f"mlxkv:{space}:p:{tagged}:{manifest['upload']}:{i}")
         assert len(piece) == nbytes and zlib.crc32(piece) == crc
         data[name] = data.get(name, b"") + piece
     # the entry's HMAC (docs/store.md, Trust): the namespace key, then every field length-prefixed
@@ -280,7 +301,7 @@ def test_the_layout_reads_back_without_mlxkv(models, server, r):
     for text in (space, eid.decode(), manifest["upload"], manifest["header"]):
         mac.update(field(text.encode()))
     for i, (name, nbytes, _) in enumerate(manifest["pieces"]):
-        piece = r.get(f"mlxkv:{space}:p:{eid.decode()}:{manifest['upload']}:{i}")
+        piece = r.get(f"mlxkv:{space}:p:{tagged}:{manifest['upload']}:{i}")
         mac.update(field(name.encode()) + nbytes.to_bytes(8, "little") + piece)
     assert mac.hexdigest() == manifest["mac"]
     keys0 = header["caches"][0]["tensors"][0]

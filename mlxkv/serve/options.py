@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--redis",
         metavar="URL",
-        help="share prompt caches through Redis or Valkey (redis://host:6379/0, unix:///path.sock), "
-        "with or without --store",
+        help="share prompt caches through Redis or Valkey (redis://host:6379/0, unix:///path.sock), or a "
+        "Redis Cluster (redis+cluster://host:port,host:port), with or without --store",
     )
     p.add_argument("--store-disk-bytes", type=_parse_size, help="byte cap of the --store directory (default: none)")
     p.add_argument(

@@ -56,9 +56,9 @@ class StoreOptions:
         if self.directory is not None:
             check_directory(self.directory)
         if self.redis is not None:
-            from .redis_tier import connect
+            from .redis_client import check_url
 
-            connect(self.redis, 1.0)  # the URL's form only: nothing is sent
+            check_url(self.redis)  # the URL's form only (one server's or a cluster's): nothing is sent
             if not Keys(self.secret):
                 raise MLXKVError(
                     "--redis needs the deployment's secret, shared by every server of it (at least 16 bytes; "

@@ -136,6 +136,7 @@ class Breaker(Health):
         self._retry_at = 0.0
         self._probing: Future | None = None
         self._busy: Future | None = None  # the call the thread is running (maybe past its budget)
+        self._starting: Future | None = None  # the connection being made (``start``)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlxkv-store-{name}")
 
     def _next(self) -> str:
@@ -177,9 +178,32 @@ class Breaker(Health):
             self._retry_at = self._clock() + self._delay
         super().failed(error)
 
+    def start(self, fn) -> None:
+        """Run ``fn()`` (making the tier's connection) on the breaker's thread now, without
+        waiting. A call made meanwhile waits for it within its budget (and is skipped, not
+        failed, if it is still running then); if ``fn`` raises, the tier is failing and
+        probed as after any failure."""
+
+        def run():
+            try:
+                fn()
+            except Exception as e:
+                self.failed(e)
+
+        self._starting = self._pool.submit(run)
+
     def call(self, fn, *args):
         """``fn(*args)`` on the breaker's thread, waited for at most ``budget`` seconds."""
         self._admit()
+        t0 = time.monotonic()
+        starting = self._starting
+        if starting is not None and not starting.done():
+            try:
+                starting.result(timeout=self.budget)
+            except FutureTimeout:
+                self.skipped()
+                raise TierUnavailable(f"the {self.name} tier is still connecting: skipped") from None
+            self._admit()  # it may have failed
         with self._lock:
             busy = self._busy is not None and not self._busy.done()
         if busy:  # a call past its budget still holds the thread: do not queue behind it
@@ -187,7 +211,7 @@ class Breaker(Health):
             raise TierUnavailable(f"the {self.name} tier is still answering an earlier call: skipped")
         future = self._busy = self._pool.submit(fn, *args)
         try:
-            return future.result(timeout=self.budget)
+            return future.result(timeout=max(0.0, self.budget - (time.monotonic() - t0)))
         except FutureTimeout:
             self.failed(f"no answer within {self.budget:g} s")
             raise TierUnavailable(f"the {self.name} tier did not answer within {self.budget:g} s") from None

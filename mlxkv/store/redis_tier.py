@@ -20,6 +20,12 @@ authenticate is a miss and is left alone. Never a wrong cache.
 Every call goes through the tier's breaker (``health.Breaker``): a lookup waits at most
 ``budget`` seconds for Redis, and none at all while Redis is failing.
 
+One server and a Redis Cluster are the same tier with another client and key layout
+(``redis_client.Connection``, ``redis_layout``): every multi-key command here (the pieces
+of one tensor, the upload's last step) is on the keys of one entry, which a cluster's
+layout puts in one slot; the rest are single-key commands and pipelines, which redis-py
+splits by node.
+
 Key names and encodings are normative for other implementations (docs/store.md, "Redis
 layout"). Every key has a time to live, refreshed when an entry is read.
 """
@@ -42,11 +48,11 @@ from ..state.reuse import prefix_for, probe
 from .entry import Entry
 from .health import Breaker
 from .keys import block_chain, entry_id
+from .redis_client import Connection
 from .tier import Found, Opened, Query, Tier, Written
 from .trust import EntryMac, Keys
 
 MANIFEST_VERSION = 2
-HASH_BYTES = 16  # block hashes in key names: the first 16 bytes, hex
 BATCH = 16  # manifests read per round trip of a lookup
 MAX_CANDIDATES = 64  # manifests read per lookup depth at most
 MAX_MANIFEST = 4 << 20  # bytes of one manifest a reader fetches at most
@@ -55,26 +61,10 @@ MANIFEST_ERRORS = (MLXKVError, ValueError, KeyError, TypeError, msgpack.UnpackEx
 
 # delete a key only while it still holds the value read (another process may have replaced it)
 _DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-
-def redacted(url: str) -> str:
-    """A Redis URL without its password (for logs and the banner)."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
-
-
-def connect(url: str, timeout: float) -> redis.Redis:
-    """A client of ``url``; an unusable URL is refused now (before a model loads)."""
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise MLXKVError(f"--redis must be a redis://, rediss:// or unix:// URL, got {url!r}")
-    try:
-        return redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=0
-        )
-    except ValueError as e:
-        raise MLXKVError(f"cannot use the Redis URL {redacted(url)!r}: {e}") from None
+#: an upload's last step: every key of one entry (one slot on a cluster) gets the time to live
+#: at once. A script, not ``MULTI``/``EXEC``: a script is one command, which redis-py follows
+#: through ``ASK`` while its slot migrates; its cluster transactions cannot be (they fail there).
+_EXPIRE_ALL = "for _, k in ipairs(KEYS) do redis.call('EXPIRE', k, ARGV[1]) end return #KEYS"
 
 
 class RedisTier(Tier):
@@ -101,39 +91,24 @@ class RedisTier(Tier):
         every socket operation (a hung server frees the tier's threads after it);
         ``budget``: what a lookup waits for Redis at most; ``seed_of(space)``: the identity
         seed of a space (``keys.identity_seed``)."""
-        if isinstance(url_or_client, str):
-            self.client = connect(url_or_client, timeout)
-            where = redacted(url_or_client)
-        else:
-            self.client = url_or_client
-            where = repr(url_or_client)
+        self.connection = Connection(url_or_client, timeout, prefix)
+        self.layout = self.connection.layout
         self.identity, self.block, self.keys, self._seed_of = identity, block, keys, seed_of
         self.limit = int(limit)
-        self.prefix, self.ttl = prefix, int(ttl)
+        self.ttl = int(ttl)
         self.piece_bytes, self.lease_seconds = int(piece_bytes), float(lease_seconds)
-        self._delete_if_same = self.client.register_script(_DELETE_IF_SAME)
-        self.health = Breaker("redis", where, self.client.ping, budget=budget)
+        where = self.connection.where
+        self.health = Breaker("redis", where, self.connection.probe, budget=budget)
         self.opened = Opened("redis", where, None)
+        if not self.connection.made:  # a cluster's client learns the slot table: not on a lookup's budget
+            self.health.start(lambda: self.connection.client)
+
+    @property
+    def client(self):
+        return self.connection.client
 
     def close(self) -> None:
         self.health.close()
-
-    # -- key names ----------------------------------------------------------------------
-
-    def _k(self, seed: bytes, *parts) -> str:
-        return ":".join([self.prefix, seed[:16].hex(), *map(str, parts)])
-
-    def manifest_key(self, seed: bytes, eid: str) -> str:
-        return self._k(seed, "m", eid)
-
-    def piece_key(self, seed: bytes, eid: str, upload: str, i: int) -> str:
-        return self._k(seed, "p", eid, upload, i)
-
-    def block_key(self, seed: bytes, h: bytes) -> str:
-        return self._k(seed, "b", h[:HASH_BYTES].hex())
-
-    def lease_key(self, seed: bytes, eid: str) -> str:
-        return self._k(seed, "lease", eid)
 
     # -- the tier interface ---------------------------------------------------------------
 
@@ -175,14 +150,16 @@ class RedisTier(Tier):
         lease), a ``Written`` that asks to be retried when the lease ends."""
         key = self.keys.require(entry.space)
         r = self.client
-        mkey = self.manifest_key(seed, entry.key)
+        layout = self.layout
+        mkey = layout.manifest(seed, entry.key)
         if r.expire(mkey, self.ttl):
             self._refresh_present(seed, entry.key, chain)
             return Written(present=True)
         lease_ms = int(self.lease_seconds * 1000)
-        lock = r.lock(self.lease_key(seed, entry.key), timeout=self.lease_seconds, blocking=False)
+        lease = layout.lease(seed, entry.key)
+        lock = r.lock(lease, timeout=self.lease_seconds, blocking=False)
         if not lock.acquire(blocking=False):
-            left = r.pttl(self.lease_key(seed, entry.key))
+            left = r.pttl(lease)
             return Written(retry_in=max(0.05, (left if left and left > 0 else lease_ms) / 1000))
         try:
             if r.exists(mkey):
@@ -204,7 +181,7 @@ class RedisTier(Tier):
                     pipe = r.pipeline(transaction=False)
                     for start in range(0, max(len(buf), 1), self.piece_bytes):
                         piece = bytes(buf[start : start + self.piece_bytes])
-                        pkey = self.piece_key(seed, entry.key, upload, i)
+                        pkey = layout.piece(seed, entry.key, upload, i)
                         pipe.set(pkey, piece, px=lease_ms)  # the full time to live once complete
                         table.append([t["name"], len(piece), crc32(piece) & 0xFFFFFFFF])
                         mac.piece(t["name"], piece)
@@ -222,14 +199,15 @@ class RedisTier(Tier):
                 "pieces": table,
                 "mac": mac.hexdigest(),
             }
-            blocks = [self.block_key(seed, h) for h in chain]
+            r.set(mkey, msgpack.packb(manifest), px=lease_ms)  # after its pieces: never ahead of them
+            # then the block sets (on a cluster, other nodes: a pipeline across nodes keeps no
+            # order, and an id a reader finds before its manifest is removed from the set)
             pipe = r.pipeline(transaction=False)
-            pipe.set(mkey, msgpack.packb(manifest), px=lease_ms)  # after its pieces: never ahead of them
-            for b in blocks:
+            for b in layout.blocks(seed, chain):
                 pipe.sadd(b, entry.key)
                 pipe.expire(b, self.ttl)
             pipe.execute()
-            self._expire([*written, mkey, *blocks], transaction=True)  # the upload is complete
+            r.register_script(_EXPIRE_ALL)(keys=[*written, mkey], args=[self.ttl])  # the upload is complete
             nbytes = sum(n for _, n, _ in table)
             self.health.count("writes")
             self.health.count("bytes_written", nbytes)
@@ -241,16 +219,16 @@ class RedisTier(Tier):
     def _refresh_present(self, seed, eid, chain):
         """An entry found present lives another time to live: its pieces and block sets with
         its manifest, or the pieces would expire under a live manifest (a miss later)."""
-        keys = [self.block_key(seed, h) for h in chain]
-        raw = self.client.get(self.manifest_key(seed, eid))
+        keys = self.layout.blocks(seed, chain)
+        raw = self.client.get(self.layout.manifest(seed, eid))
         if raw is not None:
             with contextlib.suppress(*MANIFEST_ERRORS):  # damaged: the next read drops it
                 m = self.parse(raw)
-                keys += [self.piece_key(seed, eid, m["upload"], i) for i in range(len(m["pieces"]))]
+                keys += [self.layout.piece(seed, eid, m["upload"], i) for i in range(len(m["pieces"]))]
         self._expire(keys)
 
-    def _expire(self, keys, transaction: bool = False):
-        pipe = self.client.pipeline(transaction=transaction)
+    def _expire(self, keys):
+        pipe = self.client.pipeline(transaction=False)
         for k in keys:
             pipe.expire(k, self.ttl)
         pipe.execute()
@@ -263,9 +241,10 @@ class RedisTier(Tier):
         Reads manifests only, each at most MAX_MANIFEST bytes, at most MAX_CANDIDATES a
         depth."""
         seed, prompt, chain = query.seed, query.prompt, query.chain
+        blocks = self.layout.blocks(seed, chain)  # on a cluster, all in one slot
         pipe = self.client.pipeline(transaction=False)
-        for h in chain:
-            pipe.scard(self.block_key(seed, h))
+        for b in blocks:
+            pipe.scard(b)
         cards = pipe.execute()
         best, best_p = None, better_than
         limit = len(prompt) - 1
@@ -276,7 +255,7 @@ class RedisTier(Tier):
             bound = min(limit, (depth + 1) * self.block - 1)  # for every entry first met here
             if bound <= best_p:
                 break
-            bkey = self.block_key(seed, chain[depth - 1])
+            bkey = blocks[depth - 1]
             if cards[depth - 1] > MAX_CANDIDATES:  # a popular prefix, or a flooded set: a sample
                 members = self.client.srandmember(bkey, MAX_CANDIDATES)
             else:
@@ -285,7 +264,7 @@ class RedisTier(Tier):
             seen.update(ids)
             for start in range(0, len(ids), BATCH):
                 batch = ids[start : start + BATCH]
-                mkeys = [self.manifest_key(seed, i) for i in batch]
+                mkeys = [self.layout.manifest(seed, i) for i in batch]
                 pipe = self.client.pipeline(transaction=False)
                 for k in mkeys:
                     pipe.strlen(k)
@@ -296,7 +275,10 @@ class RedisTier(Tier):
                 fetch = [(i, k) for i, k, n in zip(batch, mkeys, sizes) if 0 < n <= MAX_MANIFEST]
                 if len(fetch) < len(batch) - len(gone):
                     self.health.count("refused", len(batch) - len(gone) - len(fetch))
-                raws = self.client.mget([k for _, k in fetch]) if fetch else []
+                pipe = self.client.pipeline(transaction=False)  # on a cluster, each on its own slot
+                for _, k in fetch:
+                    pipe.get(k)
+                raws = pipe.execute() if fetch else []
                 for (eid, _), raw in zip(fetch, raws):
                     if raw is None:
                         continue
@@ -369,8 +351,8 @@ class RedisTier(Tier):
         for cache in header["caches"]:
             for t in cache["tensors"]:
                 table = by_tensor.get(t["name"], [])
-                keys = [self.piece_key(seed, eid, upload, i) for i, _, _ in table]
-                got = self.client.mget(keys) if keys else []
+                keys = [self.layout.piece(seed, eid, upload, i) for i, _, _ in table]
+                got = self.client.mget(keys) if keys else []  # one slot on a cluster
                 running = 0
                 for p, (_, size, c) in zip(got, table):
                     if p is None or len(p) != size or (crc32(p) & 0xFFFFFFFF) != c:
@@ -389,12 +371,12 @@ class RedisTier(Tier):
                 break
         if damaged is not None:
             self.health.refuse(f"a shared entry was damaged or partly evicted ({damaged}): a miss")
-            self._delete_if_same(keys=[self.manifest_key(seed, eid)], args=[raw])
+            self.client.register_script(_DELETE_IF_SAME)(keys=[self.layout.manifest(seed, eid)], args=[raw])
             return None
         if not mac.matches(manifest["mac"]):
             self.health.refuse("a shared entry failed authentication (written without this deployment's secret)")
             return None
-        keys = [self.piece_key(seed, eid, upload, i) for i in range(len(manifest["pieces"]))]
-        blocks = [self.block_key(seed, h) for h in block_chain(seed, header["tokens"], self.block)]
-        self._expire([self.manifest_key(seed, eid), *keys, *blocks])  # read: another time to live
+        keys = [self.layout.piece(seed, eid, upload, i) for i in range(len(manifest["pieces"]))]
+        blocks = self.layout.blocks(seed, block_chain(seed, header["tokens"], self.block))
+        self._expire([self.layout.manifest(seed, eid), *keys, *blocks])  # read: another time to live
         return arrays

@@ -71,7 +71,8 @@ class PromptStore:
     ``cap``: bytes of RAM the store may hold, entries and writes in flight together (an
     upload to the shared tier may hold one entry more while it runs). ``directory``: the
     disk tier; ``redis``: a Redis or Valkey URL (``redis://host:port/0``,
-    ``unix:///path/redis.sock``) or a ``redis.Redis`` client, for the shared tier, whose
+    ``unix:///path/redis.sock``, a cluster's ``redis+cluster://host:port,host:port``) or a
+    ``redis.Redis`` or ``redis.RedisCluster`` client, for the shared tier, whose
     entries are authenticated with ``secret`` (every namespace) or ``namespace_keys``
     (``{ns: key}``, those namespaces only; ``trust.namespace_key``). ``scheme`` and
     ``cache_options`` (``make_cache``'s, e.g. ``max_kv_size``): what the caches are built
