@@ -76,7 +76,8 @@ class PromptStore:
     entries are authenticated with ``secret`` (every namespace) or ``namespace_keys``
     (``{ns: key}``, those namespaces only; ``trust.namespace_key``). ``scheme`` and
     ``cache_options`` (``make_cache``'s, e.g. ``max_kv_size``): what the caches are built
-    with (entries of another never match). ``block_tokens``: the block of the prefix index
+    with; the identity names their canonical form (``canonical_scheme``: ``kv4`` and
+    ``kv4-g64`` are one scheme), so entries of another never match. ``block_tokens``: the block of the prefix index
     (the shared tier finds entries sharing at least one whole block with a prompt).
     ``disk_cap``: bytes of files the disk tier may keep (least recently used go first);
     None: no limit. ``retention``: which RAM entry goes first, ``"lru"`` or
