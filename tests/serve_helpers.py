@@ -42,7 +42,8 @@ def reference_answers(model_dir, scheme):
 
 def serve_process(*argv):
     """``python -m mlxkv.cli serve ARGV --port 0`` started; returns (process, port) once it
-    printed its address (the first line of its banner)."""
+    printed its address (the first line of its banner), which it does once its port listens:
+    a connection made then waits in the listen backlog, never refused."""
     cmd = [sys.executable, "-m", "mlxkv.cli", "serve", *argv, "--port", "0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stderr:
