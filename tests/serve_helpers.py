@@ -40,12 +40,14 @@ def reference_answers(model_dir, scheme):
     return answer
 
 
-def serve_process(*argv):
-    """``python -m mlxkv.cli serve ARGV --port 0`` started; returns (process, port) once it
-    printed its address (the first line of its banner), which it does once its port listens:
-    a connection made then waits in the listen backlog, never refused."""
+def serve_process(*argv, **popen):
+    """``python -m mlxkv.cli serve ARGV --port 0`` started (``popen``: more arguments of
+    ``subprocess.Popen``); returns (process, port) once it printed its address (the first
+    line of its banner), which it does once its port listens: a connection made then waits
+    in the listen backlog, never refused."""
     cmd = [sys.executable, "-m", "mlxkv.cli", "serve", *argv, "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, **popen)
     for line in proc.stderr:
         found = re.search(r"at http://127\.0\.0\.1:(\d+)", line)
         if found:
