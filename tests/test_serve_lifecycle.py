@@ -14,7 +14,7 @@ import time
 
 import mlx_lm
 import pytest
-from serve_helpers import Running, serve_process, words
+from serve_helpers import Running, post_completion, serve_process
 from store_helpers import RedisServer
 
 import mlxkv
@@ -35,13 +35,7 @@ def deployment_secret(monkeypatch):
 
 
 def complete(port, tokens, max_tokens=4):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    data = json.loads(response.read())
-    conn.close()
-    return response, data
+    return post_completion(port, tokens, max_tokens)
 
 
 def get(port, path):
