@@ -54,14 +54,31 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def __init__(self, address, handler, *, max_connections: int, refused=None):
         super().__init__(address, handler)
         self.max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._served = 0  # connections being served now
         self._refused = refused or (lambda: None)
         self._refusals: queue.Queue = queue.Queue(REFUSALS_QUEUED)
         threading.Thread(target=self._refuse_loop, name="mlxkv-serve-refuser", daemon=True).start()
 
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return self._served
+
+    def _take_slot(self) -> bool:
+        with self._lock:
+            if self._served >= self.max_connections:
+                return False
+            self._served += 1
+            return True
+
+    def _free_slot(self) -> None:
+        with self._lock:
+            self._served -= 1
+
     def process_request(self, request, client_address):
         request.settimeout(CLIENT_TIMEOUT)
-        if not self._slots.acquire(blocking=False):
+        if not self._take_slot():
             self._refused()
             try:
                 self._refusals.put_nowait(request)
@@ -71,14 +88,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)  # the connection's thread
         except BaseException:
-            self._slots.release()
+            self._free_slot()
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._free_slot()
 
     def _refuse_loop(self):
         while True:
