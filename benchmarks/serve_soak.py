@@ -19,8 +19,8 @@ p50/p99 of the gaps between a stream's tokens, healthy against Redis frozen; req
 failed (not 200, or an error event in the stream); wrong answers (each answer is compared
 with a cold start after the run: mlx-lm's ``batch_generate`` on fresh caches, then, where
 they differ, ``mlx_lm.generate`` serially, and the answer resuming the prefix the server
-said it reused; wrong if it differs from all of them); durable entries lost (the server's last line says how many entries
-its store reported durable when it stopped; the directory is opened again and must index
+said it reused; wrong if it differs from all of them); durable entries lost (the server's
+last line says how many entries its store reported durable when it stopped; the directory is opened again and must index
 that many). Targets (issue 21): RSS growth within the RAM cap + 64 MiB over 1,000
 requests, p99 gap with Redis frozen within 2x healthy, 0 wrong answers, 0 durable entries
 lost.
