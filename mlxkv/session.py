@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from .caches.schemes import make_cache, parse_scheme
+from .caches.schemes import canonical_scheme, make_cache, parse_scheme
 from .checks import is_count, is_int
 from .errors import CacheConfigError, GenerationFinishedError, SnapshotError
 from .formats.table import load, save
@@ -86,7 +86,10 @@ def request_policy(
         policy["seed"] = seed
     if scheme is not None:
         parsed = parse_scheme(scheme, make_cache_options)
-        policy.update(parsed.policy if parsed.policy is not None else {"kvScheme": parsed.name})
+        if parsed.policy is not None:  # mlx-bun's fields, where mlx-bun builds the same caches
+            policy.update(parsed.policy)
+        if parsed.policy is None or parsed.held:  # mlxkv's own: every option that changes what is held
+            policy["kvScheme"] = canonical_scheme(scheme, **make_cache_options)
     if max_kv_size is not None:
         policy["maxKvSize"] = max_kv_size
     return policy

@@ -40,11 +40,14 @@ def reference_answers(model_dir, scheme):
     return answer
 
 
-def serve_process(*argv):
-    """``python -m mlxkv.cli serve ARGV --port 0`` started; returns (process, port) once it
-    printed its address (the first line of its banner)."""
+def serve_process(*argv, **popen):
+    """``python -m mlxkv.cli serve ARGV --port 0`` started (``popen``: more arguments of
+    ``subprocess.Popen``); returns (process, port) once it printed its address (the first
+    line of its banner), which it does once its port listens: a connection made then waits
+    in the listen backlog, never refused."""
     cmd = [sys.executable, "-m", "mlxkv.cli", "serve", *argv, "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, **popen)
     for line in proc.stderr:
         found = re.search(r"at http://127\.0\.0\.1:(\d+)", line)
         if found:
@@ -75,15 +78,21 @@ def openai_client(port) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def completion(port, tokens, max_tokens, timeout=120):
-    """One greedy completion of ``tokens`` over real HTTP: (text, prompt tokens, cached
-    tokens) from its answer and usage block."""
+def post_completion(port, tokens, max_tokens=6, timeout=120):
+    """A greedy ``/v1/completions`` request of ``tokens`` over raw HTTP: (response, body)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     body = {"prompt": words(tokens), "max_tokens": max_tokens, "temperature": 0.0}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     data = json.loads(response.read())
     conn.close()
+    return response, data
+
+
+def completion(port, tokens, max_tokens, timeout=120):
+    """One greedy completion of ``tokens`` over real HTTP: (text, prompt tokens, cached
+    tokens) from its answer and usage block."""
+    response, data = post_completion(port, tokens, max_tokens, timeout)
     assert response.status == 200, data
     usage = data["usage"]
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)

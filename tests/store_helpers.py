@@ -1,5 +1,6 @@
 """Shared tools of the prompt-store tests: cache cases of every kind, a redis-server."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -75,20 +76,30 @@ def same_arrays(a: dict, b: dict) -> bool:
 
 
 class RedisServer:
-    """A private redis-server on a unix socket in a temporary directory."""
+    """A private redis-server on a unix socket in a temporary directory, ready once it
+    answers PING (the socket file exists a moment before the server accepts on it: a client
+    then got "connection refused" on a loaded machine). ``restart()`` starts it again on the
+    same socket (after a SIGKILL, say), empty."""
 
     def __init__(self, *extra):
-        exe = shutil.which("redis-server")
-        if exe is None:
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
             raise RuntimeError(
                 "redis-server is not installed: the Redis tier tests need it. Install it with "
                 "`apt-get install -y redis-server` (Debian/Ubuntu) or `brew install redis` (macOS)"
             )
+        self.extra = extra
         self.dir = tempfile.mkdtemp(prefix="mlxkv-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
+        self.proc = None
+        self._start()
+
+    def _start(self, timeout=30.0):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
         self.proc = subprocess.Popen(
             [
-                exe,
+                self.exe,
                 "--port",
                 "0",
                 "--unixsocket",
@@ -101,17 +112,37 @@ class RedisServer:
                 "no",
                 "--dir",
                 self.dir,
-                *extra,
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.time() + 10
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None or time.time() > deadline:
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("redis-server did not start")
+                raise RuntimeError(f"redis-server did not answer PING within {timeout:g} s")
             time.sleep(0.02)
+
+    def answers(self) -> bool:
+        """Does the server answer PING on its socket now?"""
+        import redis
+
+        if not os.path.exists(self.socket):
+            return False
+        client = redis.Redis(unix_socket_path=self.socket, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def restart(self):
+        """Start the server again on the same socket (the old process must have ended)."""
+        if self.proc.poll() is None:
+            raise RuntimeError("redis-server is still running: stop or kill it first")
+        self._start()
 
     @property
     def url(self) -> str:
@@ -121,7 +152,7 @@ class RedisServer:
         return redis.Redis.from_url(self.url)
 
     def stop(self):
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)

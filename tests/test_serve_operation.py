@@ -34,7 +34,12 @@ def test_options_that_cannot_be_served_exit_2_before_the_model_loads(tmp_path, c
     a_file.write_text("not a directory")
     for argv, says in (
         (["--store", str(a_file)], f"the store directory '{a_file}' is not a directory"),
-        (["--redis", "not-a-url"], "--redis must be a redis://, rediss:// or unix:// URL, got 'not-a-url'"),
+        (["--store", str(a_file / "sub")], f"cannot be made: '{a_file}' is a file, not a directory"),
+        (["--store", str(a_file / "a" / "b")], f"cannot be made: '{a_file}' is a file, not a directory"),
+        (
+            ["--redis", "not-a-url"],
+            "--redis must be a Redis URL (redis://host:6379/0, rediss://, unix:///path.sock, or redis+cluster://",
+        ),
         (["--max-kv-size", "4"], "max_kv_size must be an integer above the 4 positions a ring keeps"),
         (["--scheme", "turbo-k8v3", "--max-kv-size", "64"], "scheme 'turbo-k8v3' has no ring form"),
         (["--scheme", "kv7"], "--scheme kv7: affine quantization needs bits in"),

@@ -225,3 +225,31 @@ def test_servers_that_differ_in_max_kv_size_never_serve_each_others_entries(mode
         assert m[("mlxkv_store_misses_total", ())] == 1
     finally:
         a.stop()
+
+
+def test_a_library_store_and_the_server_key_entries_alike(model_dir, loaded, tmp_path):
+    """The store's identity is one rule (canonical_scheme) for ``mlxkv serve`` and for a
+    ``PromptStore`` a program opens: a server's entries under ``--scheme kv4 --max-kv-size
+    64`` are found by ``PromptStore(scheme="kv4", cache_options={"max_kv_size": 64})`` on its
+    directory, and an entry that program puts is served by the server restarted there."""
+    store, model, tokenizer = str(tmp_path / "s"), *loaded
+    flags = ("--model", model_dir, "--scheme", "kv4", "--max-kv-size", "64", "--store", store)
+    served = prompt(30, seed=81)
+    a = Running(*flags)
+    try:
+        complete(a.port, served)
+    finally:
+        a.stop()
+    put = prompt(30, seed=82)
+    ring = {"max_kv_size": 64}
+    with mlxkv.PromptStore(model, tokenizer, cap=1 << 26, directory=store, scheme="kv4", cache_options=ring) as s:
+        hit = s.take(served + [3])
+        assert hit is not None and hit.tier == "disk" and hit.prefix_len == len(served)
+        caches = mlxkv.make_cache(model, "kv4", **ring)
+        mx.eval(model(mx.array(put)[None], cache=caches))
+        s.put(put, caches)
+    b = Running(*flags)
+    try:
+        assert complete(b.port, put + prompt(4, seed=83))[1] == len(put)
+    finally:
+        b.stop()

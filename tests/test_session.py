@@ -270,6 +270,14 @@ def test_a_session_without_a_seed_records_the_default_as_not_explicit(models):
         ("turbo-k4v2", {}, {"turboQuant": {"kBits": 4, "vBits": 2}, "quantizedKvStart": 0}),
         ("tova-b32-s4", {}, {"kvScheme": "tova-b32-s4"}),
         ("bf16", {"max_kv_size": 24}, {"maxKvSize": 24}),
+        ("kv4", {"max_kv_size": 24}, {"kvScheme": "kv4-g64", "maxKvSize": 24}),
+        ("qfilters-b32-s4-r8", {}, {"kvScheme": "qfilters-b32-s4-r8+calib_tokens=128+sign=1"}),
+        (
+            "qfilters-b32-s4-r8",
+            {"calib_tokens": 16, "sign": -1},
+            {"kvScheme": "qfilters-b32-s4-r8+calib_tokens=16+sign=-1"},
+        ),
+        ("turbo-k4v2", {"deferred": False}, {"turboQuant": {"kBits": 4, "vBits": 2}, "quantizedKvStart": 0}),
     ],
 )
 def test_the_policy_names_the_cache_scheme(scheme, opts, fields):

@@ -10,7 +10,7 @@ import pytest
 from store_helpers import KIND_CASES, accepted, build, continuation, forward, same_arrays, snapshot_arrays
 
 import mlxkv
-from mlxkv import PromptStore, StoreCapacityError
+from mlxkv import MLXKVError, PromptStore, StoreCapacityError
 from mlxkv.models.seeded import build_model, prompt, tokenizer
 
 CASES = [c for c in KIND_CASES if accepted(c[2])]
@@ -399,6 +399,31 @@ def test_cache_options_are_part_of_the_identity(models, tmp_path):
     assert again.take(tokens + [1]).prefix_len == 40
     assert again.identity.kv_scheme == "bf16+max_kv_size=64"
     again.close()
+
+
+def test_the_identity_names_the_canonical_scheme(models):
+    """One rule for the store's identity, a server's and a library user's: the canonical form
+    of what make_cache builds (canonical_scheme). Aliases are one scheme; options that only
+    change how a cache is read are not in it; Q-Filters' filters are named by a digest."""
+    model = models("llama")
+
+    def kv_scheme(scheme, **options):
+        return PromptStore(model, tokenizer(), cap=CAP, scheme=scheme, cache_options=options).identity.kv_scheme
+
+    assert kv_scheme("kv4") == kv_scheme("kv4-g64") == "kv4-g64"
+    assert kv_scheme("kv4", max_kv_size=64) == "kv4-g64+max_kv_size=64"
+    assert kv_scheme("turbo-k8v3", deferred=False, codes=True) == kv_scheme("turbo-k8v3-start0") == "turbo-k8v3-start0"
+    filters = [mx.ones((2, 64)) for _ in range(4)]
+    other = [mx.full((2, 64), 2.0) for _ in range(4)]
+    with_filters = kv_scheme("qfilters-b32-s4-r8", filters=filters)
+    assert with_filters.startswith("qfilters-b32-s4-r8+filters=") and "+sign=1" in with_filters
+    assert with_filters != kv_scheme("qfilters-b32-s4-r8", filters=other)
+    assert kv_scheme("qfilters-b32-s4-r8") == "qfilters-b32-s4-r8+calib_tokens=128+sign=1"
+    assert kv_scheme("") == ""
+    with pytest.raises(MLXKVError, match="need the scheme"):
+        kv_scheme("", max_kv_size=64)
+    with pytest.raises(MLXKVError, match="no ring form"):
+        kv_scheme("turbo-k8v3", max_kv_size=64)
 
 
 def test_the_open_report_and_counters_say_what_the_store_holds(models, tmp_path):

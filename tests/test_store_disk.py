@@ -335,6 +335,27 @@ def test_checkpoints_are_found_by_request_key_and_resume_bit_for_bit(models, tmp
         assert again.generate(8) == expected
 
 
+def test_a_checkpoint_is_found_only_with_the_cache_options_it_was_made_with(models, tmp_path):
+    """Q-Filters' options decide which rows its caches keep (mlx-bun has no Q-Filters: the
+    key's ``kvScheme`` is mlxkv's, its canonical scheme): a request with another calibration
+    length is another request, and never resumes this one's caches."""
+    model = models("llama")
+    scheme, made = "qfilters-b8-s2-r2", {"calib_tokens": 4}
+    s = Session.start(model, PROMPT, scheme, sampler=SAMPLER, seed=3, **made)
+    assert s.request_key == request_key(PROMPT, SAMPLER, seed=3, scheme=scheme, **made)
+    with _open(model, tmp_path) as store:
+        s.generate(6)
+        s.save_to(store)
+        other = request_key(PROMPT, SAMPLER, seed=3, scheme=scheme, calib_tokens=8)
+        assert other != s.request_key
+        assert store.find_checkpoint(PROMPT, other) is None
+        assert (
+            store.find_checkpoint(PROMPT, request_key(PROMPT, SAMPLER, seed=3, scheme=scheme, sign=-1, **made)) is None
+        )
+        found = store.find_checkpoint(PROMPT, s.request_key)
+        assert found is not None and found.generate(4) == s.generate(4)
+
+
 def test_a_checkpoint_must_strictly_extend_its_prompt(models, tmp_path):
     """mlx-bun's findGenerationCheckpoint: nothing generated yet, nothing found."""
     model = models("llama")

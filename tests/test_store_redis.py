@@ -310,3 +310,37 @@ def test_the_layout_reads_back_without_mlxkv(models, server, r):
     np.testing.assert_array_equal(got, np.array(caches[0].keys[..., :40, :].view(mx.uint16)))
     assert block_chain(seed, tokens, BLOCK)[0] == h
     continuation(model, store.take(tokens + [1]).caches, [1])
+
+
+SLOW_START = """#!{python}
+import os, sys, time
+# a redis-server whose socket file appears a second before it accepts connections on it
+sock = sys.argv[sys.argv.index("--unixsocket") + 1]
+open(sock, "w").close()
+time.sleep(1.0)
+os.unlink(sock)
+os.execv({real!r}, [{real!r}, *sys.argv[1:]])
+"""
+
+
+def test_the_redis_helper_is_ready_only_once_the_server_answers(tmp_path, monkeypatch):
+    """The socket file is not the server listening: the helper waits for PING (a test under
+    load got "connection refused" from a server not yet listening), and a restart after a
+    SIGKILL is ready again on the same socket."""
+    import shutil
+    import signal
+
+    slow = tmp_path / "redis-server"
+    slow.write_text(SLOW_START.format(python=sys.executable, real=shutil.which("redis-server")))
+    slow.chmod(0o755)
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: str(slow) if name == "redis-server" else real_which(name))
+    s = RedisServer()
+    try:
+        assert s.client().ping()
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait()
+        s.restart()
+        assert s.client().ping()
+    finally:
+        s.stop()

@@ -1,5 +1,6 @@
 """``GET /metrics``: the server's and its prompt store's counters in Prometheus' text
-exposition format (version 0.0.4; docs/serving.md lists every metric).
+exposition format (version 0.0.4; docs/serving.md lists every metric); ``GET /health``:
+whether the server serves and each tier's health, as JSON.
 
 The format is a few lines of text per metric (``# HELP``, ``# TYPE``, then ``name{labels}
 value``); writing it here costs less than a dependency would. The tests read it back with
@@ -23,6 +24,11 @@ class ServerCounters:
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.disconnects = 0
+        self.refused_connections = 0  # past --max-connections
+
+    def refused(self) -> None:
+        with self._lock:
+            self.refused_connections += 1
 
     def started(self) -> None:
         with self._lock:
@@ -76,6 +82,7 @@ def render(counters: ServerCounters, generation_failures: int, prompt_cache) -> 
         requests = sorted(counters.requests.items())
         tokens = (counters.prompt_tokens, counters.cached_tokens, counters.completion_tokens)
         in_flight, disconnects = counters.in_flight, counters.disconnects
+        refused = counters.refused_connections
     out.add(
         "mlxkv_requests_total",
         "counter",
@@ -84,6 +91,12 @@ def render(counters: ServerCounters, generation_failures: int, prompt_cache) -> 
     )
     out.add("mlxkv_requests_in_flight", "gauge", "Completion requests being answered now.", in_flight)
     out.add("mlxkv_client_disconnects_total", "counter", "Clients that hung up before their answer ended.", disconnects)
+    out.add(
+        "mlxkv_refused_connections_total",
+        "counter",
+        "Connections answered 503 because --max-connections were being served.",
+        refused,
+    )
     out.add("mlxkv_prompt_tokens_total", "counter", "Prompt tokens of the requests served.", tokens[0])
     out.add("mlxkv_cached_prompt_tokens_total", "counter", "Prompt tokens served from the prompt cache.", tokens[1])
     out.add("mlxkv_completion_tokens_total", "counter", "Tokens generated.", tokens[2])
@@ -130,3 +143,26 @@ def _store(out: Exposition, c: dict) -> None:
         out.add(name, kind, help_text, samples)
     healthy = [({"tier": t}, int(bool(v["healthy"]))) for t, v in tiers.items()]
     out.add("mlxkv_store_tier_healthy", "gauge", "1 while a tier answers, 0 while it is skipped.", healthy)
+
+
+#: what ``/health`` says of each tier (``PromptStore.counters()``'s names)
+HEALTH_FIELDS = ("healthy", "failing_seconds", "last_error", "breaker", "queued")
+
+
+def health(serving: bool, prompt_cache) -> tuple[int, dict]:
+    """``GET /health``'s status and body: ``{"status": "ok"}`` while the generation thread
+    serves (mlx-lm's answer), ``"degraded"`` while a tier of the prompt store fails (the
+    server answers, with fewer cached tokens: still 200), ``"unavailable"`` (503) once the
+    generation thread is gone; with a store, ``"tiers"``: each tier's ``healthy``,
+    ``failing_seconds``, ``last_error``, ``breaker`` (the shared tier's: ``"open"`` while it
+    is skipped) and ``queued`` writes."""
+    counters_of = getattr(prompt_cache, "counters", None)
+    tiers = (counters_of() if counters_of is not None else {}).get("tiers", {})
+    body = {"status": "ok"}
+    if tiers:
+        body["tiers"] = {name: {k: t[k] for k in HEALTH_FIELDS if k in t} for name, t in tiers.items()}
+        if not all(t["healthy"] for t in tiers.values()):
+            body["status"] = "degraded"
+    if not serving:
+        body["status"] = "unavailable"
+    return (200 if serving else 503), body

@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080; 0: any free port)")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=64,
+        help="connections served at once; one more is answered 503 with Retry-After (default: 64)",
+    )
     p.add_argument("--adapter-path", help="LoRA adapter weights applied to the model (its own store namespace)")
     p.add_argument(
         "--allowed-origins",
@@ -123,7 +129,14 @@ def check_flags(args) -> None:
         canonical_scheme(args.scheme, **cache_options(args))
     except MLXKVError as e:
         raise FlagError(f"--scheme {args.scheme}: {e}") from e
-    for flag in ("max_context", "max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size"):
+    for flag in (
+        "max_context",
+        "max_tokens",
+        "decode_concurrency",
+        "prompt_concurrency",
+        "prefill_step_size",
+        "max_connections",
+    ):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise FlagError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")

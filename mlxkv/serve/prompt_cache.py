@@ -30,7 +30,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..state.reuse import usable_prefix
 from ..store import StoreOptions, StorePromptCache
-from .options import store_scheme
+from .options import cache_options
 
 #: the RAM the store may hold when ``--prompt-cache-bytes`` is not given
 DEFAULT_STORE_BYTES = 1 << 30
@@ -69,7 +69,8 @@ def build_prompt_cache(args):
         directory=args.store,
         redis=args.redis,
         secret=os.environ.get("MLXKV_STORE_SECRET"),
-        scheme=store_scheme(args),  # the canonical form, every option that changes what a cache holds
+        scheme=args.scheme,  # the store keys on their canonical form (canonical_scheme)
+        cache_options=cache_options(args),
         disk_cap=args.store_disk_bytes,
     )
     return StorePromptCache(options=options)

@@ -11,8 +11,10 @@ mlxkv reaches in at these seams:
 - the request handler (``ServingHandler``): each request is checked and tokenized in its own
   thread before it is queued (``mlxkv.serve.requests``): a bad one gets HTTP 400 and never
   reaches the generation thread its neighbours share; mlxkv's errors get their own status
-  (mlx-lm answers every failed request with 404); ``GET /metrics`` (``mlxkv.serve.metrics``);
-  CORS headers only for the origins ``--allowed-origins`` names;
+  (mlx-lm answers every failed request with 404); ``GET /metrics`` and ``GET /health``
+  (``mlxkv.serve.metrics``); CORS headers only for the origins ``--allowed-origins`` names;
+- the listening socket (``mlxkv.serve.listener``): at most ``--max-connections`` served at
+  once, one more answered 503;
 - the generation thread (``ServingResponseGenerator``): mlx-lm's thread ends for good on the
   first exception; here the requests in flight get the error and the thread goes on serving.
 
@@ -29,7 +31,6 @@ import os
 import socket
 import sys
 import weakref
-from http.server import ThreadingHTTPServer
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -41,13 +42,13 @@ from ..caches.schemes import canonical_scheme, make_cache, model_config
 from ..checks import is_int
 from ..errors import MLXKVError
 from . import requests
-from .metrics import CONTENT_TYPE, ServerCounters, render
+from .listener import listening_server
+from .metrics import CONTENT_TYPE, ServerCounters, health, render
 from .options import FlagError, cache_options, check_flags, mlx_lm_arguments, store_scheme
 from .prompt_cache import build_prompt_cache
 from .requests import Limits, RequestError
 
 JSON = "application/json"
-LISTEN_BACKLOG = 128
 
 
 class GenerationError(MLXKVError):
@@ -135,11 +136,11 @@ class ServingResponseGenerator(mlx_server.ResponseGenerator):
     (``GenerationError``) and the loop starts again (the model and prompt cache stay).
     ``limits``: what a request must respect (``mlxkv.serve.requests.Limits``)."""
 
-    def __init__(self, model_provider, prompt_cache, limits: Limits):
+    def __init__(self, model_provider, prompt_cache, limits: Limits, counters: ServerCounters | None = None):
         self._inflight = weakref.WeakSet()  # requests removed by mlx-lm are dropped with them
         self.limits = limits
         self.failures = 0
-        self.counters = ServerCounters()
+        self.counters = counters if counters is not None else ServerCounters()
         super().__init__(model_provider, prompt_cache)  # starts the thread
 
     def _run_generate(self):
@@ -285,16 +286,22 @@ class ServingHandler(mlx_server.APIHandler):
             self._answer_error(error.http_status, error)
 
     def do_GET(self):
+        generator = self.response_generator
         if self.path == "/metrics":
-            generator = self.response_generator
-            text = render(generator.counters, generator.failures, generator.prompt_cache).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
-            self.send_header("Content-Length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text)
+            self._answer(200, CONTENT_TYPE, render(generator.counters, generator.failures, generator.prompt_cache))
+        elif self.path == "/health":
+            status, body = health(generator.is_healthy, generator.prompt_cache)
+            self._answer(status, JSON, json.dumps(body))
         else:
             super().do_GET()
+
+    def _answer(self, status: int, content_type: str, text: str):
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
 
 def error_body(status: int, error: Exception) -> dict:
@@ -361,14 +368,14 @@ class Server:
 
     def shutdown(self):
         """Stop serving (from any thread), close the port, stop the generation thread, close
-        the prompt store (its queued writes reach the directory and Redis first)."""
+        the prompt store (its queued writes reach the directory and Redis first, each tier
+        on its own writer, within the store's ``close_timeout``). Returns the store's last
+        ``FlushReport`` (None without a store)."""
         if self._serving:
             self.httpd.shutdown()
         self.httpd.server_close()
         self.generator.stop_and_join()
-        close = getattr(self.prompt_cache, "close", None)
-        if close is not None:
-            close()
+        return _close(self.prompt_cache)
 
 
 def _mib(n: int) -> str:
@@ -406,23 +413,24 @@ def start(args, prompt_cache=None) -> Server:
         context = model_config(provider.model).get("max_position_embeddings")
     names = {"default_model", args.model, os.path.realpath(args.model)}
     limits = Limits(provider.vocab, context, frozenset(names), args.adapter_path)
+    counters = ServerCounters()
     try:
         family, _, _, _, address = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
-        # a backlog for bursts of clients (Python's default of 5 drops the connections past it)
-        attributes = {"address_family": family, "request_queue_size": LISTEN_BACKLOG}
-        server_class = type("MLXKVHTTPServer", (ThreadingHTTPServer,), attributes)
         fingerprint = mlx_server.get_system_fingerprint()
-        httpd = server_class(
-            address[:2], lambda *a, **k: ServingHandler(generator, *a, system_fingerprint=fingerprint, **k)
+        httpd = listening_server(
+            address[:2],
+            family,
+            lambda *a, **k: ServingHandler(generator, *a, system_fingerprint=fingerprint, **k),
+            args.max_connections,
+            refused=counters.refused,
         )
     except OSError as e:
         _close(cache)
         raise MLXKVError(f"cannot listen on {args.host}:{args.port}: {e}") from e
-    generator = ServingResponseGenerator(provider, cache, limits)
+    generator = ServingResponseGenerator(provider, cache, limits, counters)
     return Server(httpd, generator, cache, args)
 
 
-def _close(cache) -> None:
+def _close(cache):
     close = getattr(cache, "close", None)
-    if close is not None:
-        close()
+    return None if close is None else close()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import MLXKVError
 from .disk import check_directory
+from .keys import scheme_identity
 from .store import PromptStore
 from .trust import Keys
 
@@ -53,6 +54,7 @@ class StoreOptions:
             raise MLXKVError(f"the prompt store's byte cap must be >= 0, got {self.cap!r}")
         if self.disk_cap is not None and (not isinstance(self.disk_cap, int) or self.disk_cap < 0):
             raise MLXKVError(f"the store directory's byte cap must be >= 0, got {self.disk_cap!r}")
+        scheme_identity(self.scheme, self.cache_options)  # a scheme make_cache cannot build: now
         if self.directory is not None:
             check_directory(self.directory)
         if self.redis is not None:

@@ -60,17 +60,17 @@ def check_directory(directory: str) -> None:
     not a directory, or one another user owns or may write (unless sticky)."""
     try:
         st = os.stat(directory)
-    except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(directory))
-        if not os.path.isdir(parent):
-            raise MLXKVError(
-                f"the store directory {directory!r} cannot be made: {parent!r} is not a directory"
-            ) from None
+    except (FileNotFoundError, NotADirectoryError):
+        _check_makeable(directory)
         return
+    except OSError as e:
+        raise MLXKVError(f"the store directory {directory!r} cannot be used: {e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise MLXKVError(
             f"the store directory {directory!r} is not a directory: give a directory (it is made if missing)"
         )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise MLXKVError(f"the store directory {directory!r} is not writable by this user: give one that is")
     if st.st_uid not in (os.geteuid(), 0):
         raise StoreTrustError(
             f"the store directory {directory!r} belongs to user {st.st_uid}, not to this user ({os.geteuid()}): "
@@ -81,6 +81,21 @@ def check_directory(directory: str) -> None:
             f"the store directory {directory!r} can be written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
             f"they could replace its entries; `chmod go-w {directory}` or give a private directory"
         )
+
+
+def _check_makeable(directory: str) -> None:
+    """A missing store directory is made with its missing parents: its nearest existing
+    ancestor must be a directory (a path under a regular file cannot be made)."""
+    ancestor = os.path.dirname(os.path.abspath(directory))
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise MLXKVError(
+            f"the store directory {directory!r} cannot be made: {ancestor!r} is a file, not a directory; "
+            "give a directory (it is made if missing) whose parents are directories"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise MLXKVError(f"the store directory {directory!r} cannot be made: {ancestor!r} is not writable by this user")
 
 
 def _private_directory(path: str) -> None:

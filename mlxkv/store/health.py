@@ -109,14 +109,22 @@ class Health:
                 + (f" ({quiet} failures or skipped calls not logged)" if quiet else "")
             )
 
+    def probe_if_due(self) -> None:
+        """A local tier recovers when a call of it succeeds again: nothing to probe."""
+
     def skipped(self) -> None:
         with self._lock:
             self.counts["skipped"] += 1
             self._quiet += 1
 
     def snapshot(self) -> dict:
+        """The counts, ``healthy``, ``failing_seconds`` (how long it has been failing, None
+        while healthy) and ``last_error``."""
+        now = self._clock()
         with self._lock:
-            return {**self.counts, "healthy": self.failing_since is None, "last_error": self.last_error}
+            since = self.failing_since
+            failing = None if since is None else round(now - since, 3)
+            return {**self.counts, "healthy": since is None, "failing_seconds": failing, "last_error": self.last_error}
 
 
 class Breaker(Health):
@@ -150,13 +158,21 @@ class Breaker(Health):
         """Raise TierUnavailable while open; start a probe when one is due."""
         if self.failing_since is None:
             return
+        self.probe_if_due()
+        self.skipped()
+        raise TierUnavailable(f"the {self.name} tier is failing ({self.last_error}): skipped")
+
+    def probe_if_due(self) -> None:
+        """While open, start a probe on the breaker's thread if its retry is due (and none
+        runs): a store skipping a failing tier's writes calls this, so the tier is seen to
+        recover whether or not lookups reach it."""
+        if self.failing_since is None:
+            return
         now = self._clock()
         with self._lock:
             due = now >= self._retry_at and (self._probing is None or self._probing.done())
             if due:
                 self._probing = self._pool.submit(self._probe)
-        self.skipped()
-        raise TierUnavailable(f"the {self.name} tier is failing ({self.last_error}): skipped")
 
     def _probe(self) -> None:
         try:
@@ -227,6 +243,10 @@ class Breaker(Health):
         except Exception as e:
             self.failed(e)
             raise
+
+    def snapshot(self) -> dict:
+        """``Health.snapshot`` and ``breaker``: ``"open"`` while calls are skipped, else ``"closed"``."""
+        return {**super().snapshot(), "breaker": "open" if self.open else "closed"}
 
     def close(self) -> None:
         """Stop the breaker's thread (without waiting for a call stuck in a hung tier)."""

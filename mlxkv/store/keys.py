@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..caches.schemes import canonical_scheme
 from ..errors import MLXKVError
 from ..state.identity import Identity
 
@@ -62,14 +63,14 @@ def entry_id(seed: bytes, tokens: Sequence[int]) -> str:
 
 def scheme_identity(scheme: str, options: dict | None = None) -> str:
     """The cache scheme as a store's identity names it (header field ``kvScheme``): the
-    scheme string, followed by every ``make_cache`` option that is set, each of which
-    changes what a cache holds (``max_kv_size`` makes rings), canonical:
-    ``"bf16"``, ``"bf16+max_kv_size=4096"``."""
-    set_ = {k: v for k, v in (options or {}).items() if v is not None}
-    if not set_:
-        return scheme
-    return (
-        scheme
-        + "+"
-        + ",".join(f"{k}={json.dumps(set_[k], sort_keys=True, separators=(',', ':'))}" for k in sorted(set_))
-    )
+    canonical form of what ``make_cache(model, scheme, **options)`` builds
+    (``mlxkv.caches.schemes.canonical_scheme``, the one rule a server and a library user
+    share: aliases resolved, every option that changes what a cache holds, none that only
+    changes how it is read), e.g. ``"kv4-g64"`` for ``kv4``, ``"bf16+max_kv_size=4096"``.
+    ``""`` (no scheme): the store does not know what its caches are; options need one."""
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    if not scheme:
+        if options:
+            raise MLXKVError(f"cache_options {sorted(options)} need the scheme they belong to: pass scheme= too")
+        return ""
+    return canonical_scheme(scheme, **options)

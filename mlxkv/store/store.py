@@ -76,7 +76,8 @@ class PromptStore:
     entries are authenticated with ``secret`` (every namespace) or ``namespace_keys``
     (``{ns: key}``, those namespaces only; ``trust.namespace_key``). ``scheme`` and
     ``cache_options`` (``make_cache``'s, e.g. ``max_kv_size``): what the caches are built
-    with (entries of another never match). ``block_tokens``: the block of the prefix index
+    with; the identity names their canonical form (``canonical_scheme``: ``kv4`` and
+    ``kv4-g64`` are one scheme), so entries of another never match. ``block_tokens``: the block of the prefix index
     (the shared tier finds entries sharing at least one whole block with a prompt).
     ``disk_cap``: bytes of files the disk tier may keep (least recently used go first);
     None: no limit. ``retention``: which RAM entry goes first, ``"lru"`` or
@@ -386,6 +387,7 @@ class PromptStore:
     def _submit(self, tier: Tier, entry: Entry) -> None:
         if not tier.durable and not tier.health.healthy:  # failing: not queued behind it
             tier.health.skipped()
+            tier.health.probe_if_due()
             self._log.set(entry.key, entry.serial, tier.name, Outcome.FAILED, self._failure(tier, "is failing"))
             self._failed[(tier.name, entry.key)] = entry.serial
             return
@@ -721,9 +723,10 @@ class PromptStore:
         ``reused_tokens``, and per tier (``tiers[name]``): ``hits``, ``failures``,
         ``skipped`` (calls not made while it failed), ``refused`` (entries that failed a
         check), ``writes``, ``bytes_read``, ``bytes_written``, ``healthy``,
-        ``last_error``, ``entries`` and ``bytes`` held (None where not known: the shared
-        tier), ``queued`` (writes waiting). Monotonic counts except ``entries``,
-        ``bytes``, ``queued`` and ``healthy``."""
+        ``failing_seconds`` (None while healthy), ``last_error``, ``breaker`` (``"open"``
+        or ``"closed"``; the shared tier only), ``entries`` and ``bytes`` held (None where
+        not known: the shared tier), ``queued`` (writes waiting). Monotonic counts except
+        ``entries``, ``bytes``, ``queued``, ``healthy`` and ``failing_seconds``."""
         with self._cond:
             out = {**self._counts, "bytes": self._held(), "write_log": len(self._log), "tiers": {}}
             for t in self._tiers:
