@@ -556,7 +556,7 @@ def test_empty_or_inconsistent_caches_are_refused(tmp_path):
     with pytest.raises(errors.SnapshotError, match="offset 7 but 3 tokens"):
         mlxkv.save(str(tmp_path / "x.mlxkv"), [c], [1, 2, 3], format="mlx-bun")
     with pytest.raises(errors.SnapshotError, match="unknown snapshot format"):
-        mlxkv.save(str(tmp_path / "x.mlxkv"), [c], list(range(7)), format="mlx-lm")
+        mlxkv.save(str(tmp_path / "x.mlxkv"), [c], list(range(7)), format="gguf")
     assert os.listdir(tmp_path) == []
 
 
@@ -661,6 +661,20 @@ def test_cli_convert_both_ways(tmp_path, capsys):
     )
     assert "mlx-bun has no codec" in capsys.readouterr().err
     assert not (tmp_path / "t.mlxkv").exists() and not (tmp_path / "a.safetensors").exists()
+
+
+def test_cli_convert_to_a_mlxkv_name_writes_mlx_bun_unless_told(tmp_path, capsys):
+    """Without ``--to``, a DST ending in ``.mlxkv`` (mlx-bun's extension) is written as an
+    mlx-bun file; any other name as an mlxkv snapshot; ``--to`` wins over the name."""
+    src = str(ROOT / "valid" / "kv-llama.safetensors")
+    assert cli(["convert", src, str(tmp_path / "a.mlxkv")]) == 0
+    assert "(mlx-bun)" in capsys.readouterr().out
+    assert mlxkv.read_header(str(tmp_path / "a.mlxkv"))["codecProvider"] == "mlx-bun"
+    assert cli(["convert", str(tmp_path / "a.mlxkv"), str(tmp_path / "b.safetensors")]) == 0
+    assert "(mlxkv)" in capsys.readouterr().out
+    assert mlxkv.read_header(str(tmp_path / "b.safetensors"))["codecProvider"] == "mlxkv"
+    assert cli(["convert", src, str(tmp_path / "c.mlxkv"), "--to", "mlxkv"]) == 0
+    assert mlxkv.read_header(str(tmp_path / "c.mlxkv"))["codecProvider"] == "mlxkv"
 
 
 # -- layering -------------------------------------------------------------------------------------

@@ -35,15 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser(
-        "convert", help="mlx-lm prompt-cache file, mlxkv snapshot or mlx-bun cache file -> mlxkv or mlx-bun"
+        "convert", help="mlx-lm prompt-cache file, mlxkv snapshot or mlx-bun cache file -> mlxkv, mlx-bun or mlx-lm"
     )
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument(
         "--to",
-        choices=("mlxkv", "mlx-bun"),
-        default="mlxkv",
-        help="the format to write: an mlxkv snapshot (default) or an mlx-bun cache file (docs/mlx-bun.md)",
+        choices=("mlxkv", "mlx-bun", "mlx-lm"),
+        default=None,
+        help="the format to write: an mlxkv snapshot, an mlx-bun cache file (docs/mlx-bun.md) or an "
+        "mlx-lm prompt-cache file (docs/sessions.md); default: mlx-bun for a DST ending in .mlxkv "
+        "(mlx-bun's extension), else mlxkv",
     )
     c.add_argument(
         "--tokens",

@@ -33,15 +33,16 @@ def cmd_verify(args) -> int:
 
 def cmd_convert(args) -> int:
     from ..formats.mlxlm import parse_tokens
-    from ..formats.table import convert
+    from ..formats.table import convert, format_for
     from ..state.identity import RECORDED
 
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     identity = {k: getattr(args, k) for k in RECORDED if getattr(args, k) is not None}
-    header = convert(args.src, args.dst, to=args.to, tokens=tokens, progress=Progress("writing"), **identity)
+    to = format_for(args.dst, args.to)
+    header = convert(args.src, args.dst, to=to, tokens=tokens, progress=Progress("writing"), **identity)
     kinds = [e["kind"] for e in header["caches"]]
     print(
-        f"wrote {args.dst} ({args.to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
+        f"wrote {args.dst} ({to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
         f"{len(header['tokens'])} tokens, {os.path.getsize(args.dst)} bytes"
     )
     return 0
