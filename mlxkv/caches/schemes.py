@@ -23,6 +23,19 @@ from .transition import Bf16FirstCache, PendingConversion
 RING_KEEP = 4  # the first positions a max_kv_size ring keeps (mlx-lm's choice)
 
 
+#: one scheme of each form, as errors and ``mlxkv schemes`` show them
+SCHEME_EXAMPLES = (
+    "bf16",
+    "kv4",
+    "kv8-g32",
+    "kv4-start256",
+    "turbo-k8v3",
+    "turbo-k4v2-start256",
+    "tova-b512-s4",
+    "qfilters-b512-s4-r128",
+)
+
+
 def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
     """The scheme named ``scheme``, parsed by the family whose pattern matches it."""
     for family in scheme_families():
@@ -31,9 +44,21 @@ def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
         if m:
             return parse(m, options or {})
     raise SchemeError(
-        f"unknown cache scheme {scheme!r}; schemes look like bf16, kv4, kv8-g32, kv4-start256, "
-        "turbo-k8v3, turbo-k4v2-start256, tova-b512-s4, qfilters-b512-s4-r128"
+        f"unknown cache scheme {scheme!r}; schemes look like {', '.join(SCHEME_EXAMPLES)} (`mlxkv schemes` lists them)"
     )
+
+
+def scheme_grammar() -> list[tuple[str, str]]:
+    """(the form, the examples) of every registered family's schemes: ``kv<bits>[-g<group>]``
+    read off its pattern."""
+    out = []
+    for family in scheme_families():
+        pattern = family.scheme[0]
+        form = re.sub(r"\(\?P<(\w+)>\\d\+\)", r"<\1>", pattern)
+        form = re.sub(r"\(\?:([^()]*)\)\?", r"[\1]", form).replace("|", " | ")
+        examples = [e for e in SCHEME_EXAMPLES if re.fullmatch(pattern, e)]
+        out.append((form, ", ".join(examples) or "-"))
+    return out
 
 
 def scheme_for_pending(pending: dict, options: dict | None = None) -> PendingConversion:

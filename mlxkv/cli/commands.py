@@ -1,6 +1,7 @@
 """The small commands: ``inspect`` (a snapshot's header), ``verify`` (every checksum),
-``convert`` (mlx-lm prompt-cache files and snapshots between formats), ``fetch-model`` (a real
-model as an mlx-lm directory) and ``serve`` (mlx-lm's server on mlxkv caches)."""
+``convert`` (mlx-lm prompt-cache files and snapshots between formats), ``schemes`` (the
+valid cache schemes), ``fetch-model`` (a real model as an mlx-lm directory) and ``serve``
+(mlx-lm's server on mlxkv caches)."""
 
 import os
 import sys
@@ -45,6 +46,17 @@ def cmd_convert(args) -> int:
         f"wrote {args.dst} ({to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
         f"{len(header['tokens'])} tokens, {os.path.getsize(args.dst)} bytes"
     )
+    return 0
+
+
+def cmd_schemes(args) -> int:
+    from ..caches.schemes import scheme_grammar
+
+    print("Cache schemes (mlxkv.make_cache(model, SCHEME), mlxkv serve --scheme SCHEME):")
+    for grammar, example in scheme_grammar():
+        print(f"  {grammar.ljust(36)}  e.g. {example}")
+    print("Any scheme with --max-kv-size N / max_kv_size=N: full-attention layers become rings of N positions")
+    print("(schemes without a ring form refuse it). What each costs: docs/choosing-a-scheme.md")
     return 0
 
 
