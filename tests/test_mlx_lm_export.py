@@ -136,6 +136,9 @@ def test_convert_to_mlx_lm_and_mlx_lm_generate_continue(model_dirs, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert text.strip() and text.strip() in r.stdout, (text, r.stdout)
+    pc = mlxkv.read_prompt_cache(out)  # what docs/sessions.md says it returns
+    assert pc.tokens == tokens[:-1] and pc.offset == len(tokens) - 1 and pc.metadata["model"] == model_dirs["gemma3"]
+    assert pc.classes == [type(c).__name__ for c in caches] and [c.kind for c in pc.caches] == [c.kind for c in caches]
     back = str(tmp_path / "back.safetensors")
     from mlxkv.formats.table import convert
 

@@ -663,6 +663,16 @@ def test_cli_convert_both_ways(tmp_path, capsys):
     assert not (tmp_path / "t.mlxkv").exists() and not (tmp_path / "a.safetensors").exists()
 
 
+def test_created_at_milliseconds_survive_mlx_bun_to_mlxkv_and_back(tmp_path):
+    snap = mlxkv.load(str(BUN / "kv-v3.mlxkv"))
+    bun, st, back = tmp_path / "a.mlxkv", tmp_path / "b.safetensors", tmp_path / "c.mlxkv"
+    mlxkv.save(str(bun), snap.caches, snap.tokens, format="mlx-bun", created_at=1767225600123, fsync=False)
+    assert cli(["convert", str(bun), str(st)]) == 0
+    assert mlxkv.read_header(str(st))["createdAt"] == "2026-01-01T00:00:00.123Z"
+    assert cli(["convert", str(st), str(back)]) == 0
+    assert mlxkv.load(str(back)).created_at == 1767225600123
+
+
 def test_cli_convert_to_a_mlxkv_name_writes_mlx_bun_unless_told(tmp_path, capsys):
     """Without ``--to``, a DST ending in ``.mlxkv`` (mlx-bun's extension) is written as an
     mlx-bun file; any other name as an mlxkv snapshot; ``--to`` wins over the name."""
