@@ -36,3 +36,24 @@ def test_mlx_lms_own_caches_still_quantize(models):
     steps = generate_step(mx.array(prompt(12)), model, prompt_cache=caches, kv_bits=4, quantized_kv_start=0)
     next(steps)
     assert isinstance(caches[0], mlx_cache.QuantizedKVCache)
+
+
+@pytest.mark.parametrize("scheme", ["turbo-k8v3", "tova-b32-s4", "qfilters-b32-s4-r8", "bf16", "kv4"])
+def test_keys_and_values_of_every_scheme_is_what_a_kv_shared_layer_attends(models, scheme):
+    """mlx-lm's KV-shared layers (gemma3n, afm7) call ``keys_and_values()`` on another layer's
+    cache and attend the dense arrays: every scheme's cache answers, with its stored positions
+    (TurboQuant decoded, eviction caches their kept rows); an empty eviction cache gives
+    ``(None, None)``."""
+    model = models("llama")
+    caches = mlxkv.make_cache(model, scheme)
+    if scheme.startswith(("tova", "qfilters")):
+        assert caches[0].keys_and_values() == (None, None)
+    model(mx.array([prompt(40)]), cache=caches)
+    keys, values = caches[0].keys_and_values()
+    if scheme == "kv4":
+        keys, values = keys[0], values[0]  # affine triples, as mlx-lm's QuantizedKVCache gives
+    stored = {"tova-b32-s4": 32}.get(scheme, 40)  # TOVA has evicted to its budget, Q-Filters not yet calibrated
+    assert keys.shape[:3] == values.shape[:3] == (1, 2, stored)
+    if scheme.startswith(("turbo", "tova", "qfilters")):
+        dk, dv = caches[0].dense_window()
+        assert mx.array_equal(keys, dk) and mx.array_equal(values, dv)
