@@ -189,7 +189,7 @@ _ROW_MERGE: list[Callable] = []
 
 def register_row_merge(merge: Callable) -> None:
     """Install the batched layer's ``merge_rows`` (``mlxkv.batched.rows``), registered with
-    the kind records when ``mlxkv`` is imported. A serial cache's ``merge`` (mlx-lm's batching
+    the kind records when the table is first read. A serial cache's ``merge`` (mlx-lm's batching
     entry point) calls it through :func:`row_merge`: the live caches sit below the batched
     layouts and never import them."""
     _ROW_MERGE[:] = [merge]
@@ -197,6 +197,7 @@ def register_row_merge(merge: Callable) -> None:
 
 def row_merge() -> Callable:
     """The registered ``merge_rows(rows) -> batched cache``."""
+    _table()  # the kind records register it
     if not _ROW_MERGE:
         raise MLXKVError("no batched layout is registered: import mlxkv (it registers the kind records) first")
     return _ROW_MERGE[0]
