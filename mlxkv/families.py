@@ -8,13 +8,16 @@ building caches from a scheme and compiled decode all look the family up here; n
 routes on a kind.
 
 The records are declared in ``mlxkv.kinds.records`` (they name classes of every layer) and
-registered when ``mlxkv`` is imported; this module, at the bottom of the package, only holds
-the table, so any layer may read it without importing the layers above.
+registered when the table is first read (``import mlxkv`` stays light); this module, at the
+bottom of the package, only holds the table, so any layer may read it without importing the
+layers above.
 
 An unknown kind is a bug, not a route: every lookup raises
 :class:`~mlxkv.errors.UnknownKindError` naming the kind.
 """
 
+import importlib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -99,13 +102,24 @@ class Scheme:
 
 
 _FAMILIES: list[Family] = []
+#: the module whose import registers mlxkv's own families
+BUILTIN_RECORDS = "mlxkv.kinds.records"
+
+
+def _table() -> list[Family]:
+    """The registered families, mlxkv's own among them: their records name classes of every
+    layer (and mlx-lm's), so they are imported on the first lookup of the table, not by
+    ``import mlxkv``."""
+    if BUILTIN_RECORDS not in sys.modules:
+        importlib.import_module(BUILTIN_RECORDS)
+    return _FAMILIES
 
 
 def register_family(family: Family) -> Family:
     """Add a family to the table. Its kind and its codec's persisted kind must be new."""
     if not isinstance(family.persisted, str) or not family.persisted:
         raise ValueError(f"the codec of {family.kind!r} declares no persisted kind (Codec.persisted)")
-    for f in _FAMILIES:
+    for f in _table():
         if f.persisted == family.persisted:
             raise ValueError(f"persisted kind {family.persisted!r} is registered already")
         if f.matches(family.kind) or family.matches(f.kind):
@@ -116,15 +130,16 @@ def register_family(family: Family) -> Family:
 
 def unregister_family(persisted: str) -> None:
     """Remove a family (a test that registered a toy family cleans up with this)."""
-    _FAMILIES[:] = [f for f in _FAMILIES if f.persisted != persisted]
+    table = _table()
+    table[:] = [f for f in table if f.persisted != persisted]
 
 
 def families() -> list[Family]:
-    return list(_FAMILIES)
+    return list(_table())
 
 
 def known_persisted_kinds() -> list[str]:
-    return [f.persisted for f in _FAMILIES]
+    return [f.persisted for f in _table()]
 
 
 def _unknown(kind, where: str) -> UnknownKindError:
@@ -134,7 +149,7 @@ def _unknown(kind, where: str) -> UnknownKindError:
 def family_of_kind(kind: str, where: str = "no family handles it") -> Family:
     """The family of a live ``kind``."""
     if isinstance(kind, str):
-        for f in _FAMILIES:
+        for f in _table():
             if f.matches(kind):
                 return f
         if kind.startswith(BATCHED_PREFIX):
@@ -144,7 +159,7 @@ def family_of_kind(kind: str, where: str = "no family handles it") -> Family:
 
 def family_of_persisted(persisted, where: str = "persisted kind in a snapshot header") -> Family:
     """The family of a persisted kind (a snapshot header's ``kind``)."""
-    for f in _FAMILIES:
+    for f in _table():
         if f.persisted == persisted:
             return f
     # a refusal of a file: a SnapshotError too
@@ -154,7 +169,7 @@ def family_of_persisted(persisted, where: str = "persisted kind in a snapshot he
 def family_of_batched_kind(kind: str) -> Family:
     """The family whose batched layout reports ``kind``."""
     if isinstance(kind, str):
-        for f in _FAMILIES:
+        for f in _table():
             b = f.batched_kind
             if f.rows is not None and (kind.startswith(b) if b.endswith(":") else kind == b):
                 return f
@@ -174,7 +189,7 @@ _ROW_MERGE: list[Callable] = []
 
 def register_row_merge(merge: Callable) -> None:
     """Install the batched layer's ``merge_rows`` (``mlxkv.batched.rows``), registered with
-    the kind records when ``mlxkv`` is imported. A serial cache's ``merge`` (mlx-lm's batching
+    the kind records when the table is first read. A serial cache's ``merge`` (mlx-lm's batching
     entry point) calls it through :func:`row_merge`: the live caches sit below the batched
     layouts and never import them."""
     _ROW_MERGE[:] = [merge]
@@ -182,13 +197,14 @@ def register_row_merge(merge: Callable) -> None:
 
 def row_merge() -> Callable:
     """The registered ``merge_rows(rows) -> batched cache``."""
+    _table()  # the kind records register it
     if not _ROW_MERGE:
         raise MLXKVError("no batched layout is registered: import mlxkv (it registers the kind records) first")
     return _ROW_MERGE[0]
 
 
 def scheme_families() -> list[Family]:
-    return [f for f in _FAMILIES if f.scheme is not None]
+    return [f for f in _table() if f.scheme is not None]
 
 
 def kind_of(cache) -> str:

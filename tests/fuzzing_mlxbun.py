@@ -283,7 +283,12 @@ def _hostile(rng, data, parts):
         h["attachments"] = [{"schema": "x", "metadata": {}, "tensors": []}]
     elif choice == 15 and any(e.get("kind") in ("rotating", "rotating-qkv") for e in h["caches"]):
         e = next(e for e in h["caches"] if e.get("kind") in ("rotating", "rotating-qkv"))
-        e["maxSize"] = rng.choice((e["tensors"][0]["shape"][2] - 1, 0, -1, 2**31))
+        rows, offset, bad = e["tensors"][0]["shape"][2], e["offset"], [0, -1, 2**31]
+        if rows > offset:  # an unwritten tail past the window
+            bad.append(rows - 1)
+        if rows < offset:  # fewer rows than the window it has filled
+            bad.append(rows + 1)
+        e["maxSize"] = rng.choice(bad)
     else:
         return _hostile(rng, data, BunParts(data))
     return parts.build(relayout=relayout, tensor_hashes=tensor_hashes, data_start=data_start), "invalid"

@@ -322,7 +322,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=tuple(FORMATS), default="mlxkv")
     args = p.parse_args(argv)
-    import mlxkv  # noqa: F401 - imported before any fork, so children share it
+    # imported before any fork, so children share them (``import mlxkv`` alone is light: the
+    # caches, their kind records and the formats come on first use)
+    import mlxkv.formats.table  # noqa: F401
+    import mlxkv.kinds.records  # noqa: F401
 
     if args.mode == "crash":
         out = crash(args.dir, args.kills, args.seed)

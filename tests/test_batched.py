@@ -474,3 +474,34 @@ def test_a_mixed_bf16_first_batch_splits_its_read_by_precision(models):
     assert isinstance(keys, PrecisionSplit) and batch[0].bf16 is None
     keys, _ = batch[0].update_and_fetch(kv, kv)
     assert isinstance(keys, tuple) and len(keys) == 3
+
+
+@pytest.mark.parametrize("ring", [None, 4])
+def test_a_merged_batch_shows_mlx_lms_merged_keys(ring):
+    """``merge`` gives ``keys``/``values`` as mlx-lm's ``BatchKVCache.merge`` (and
+    ``BatchRotatingKVCache.merge``) does: one ``[B, H, T, D]`` array, T the longest row's
+    stored positions, the same values; the first append then writes into new slack."""
+    from mlx_lm.models import cache as mlx_cache
+
+    def rows(mine: bool):
+        out = []
+        for i, n in enumerate((3, 0, 6)):
+            if ring is None:
+                c = mlxkv.KVCache() if mine else mlx_cache.KVCache()
+            else:
+                c = mlxkv.RotatingKVCache(max_size=ring) if mine else mlx_cache.RotatingKVCache(max_size=ring)
+            if n:
+                k = mx.random.normal((1, 2, n, 64), key=mx.random.key(i)).astype(mx.bfloat16)
+                c.update_and_fetch(k, k * 2)
+            out.append(c)
+        return out
+
+    want_cls = mlx_cache.BatchKVCache if ring is None else mlx_cache.BatchRotatingKVCache
+    want, got = want_cls.merge(rows(False)), type(rows(True)[0]).merge(rows(True))
+    assert isinstance(got.keys, mx.array) and got.keys.shape == want.keys.shape
+    assert got.values.shape == want.values.shape
+    assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
+    assert got.keys.shape[2] == want._idx == got.cols.idx
+    step = mx.ones((3, 2, 1, 64), mx.bfloat16)
+    got.update_and_fetch(step, step)
+    assert got.capacity > got.cols.idx  # slack after the first append, as mlx-lm's step allocation

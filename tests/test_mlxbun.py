@@ -107,6 +107,14 @@ def test_fixtures_cover_every_mlx_bun_kind_and_version():
     ]
     assert any(idx < rows for idx, _, rows in rings), "a wrapped ring"
     assert any(off < rows for _, off, rows in rings), "a ring with its unwritten tail"
+    sizes = [
+        (e["maxSize"], t["shape"][2])
+        for f in FIXTURES
+        for e in f["header"]["caches"]
+        if "maxSize" in e
+        for t in e["tensors"][:1]
+    ]
+    assert any(rows > size for size, rows in sizes), "a ring holding more rows than its window"
     floors = [
         ("minimumReusableOffset" in e) for f in FIXTURES for e in f["header"]["caches"] if e["kind"] == "turboquant"
     ]
@@ -117,7 +125,7 @@ def test_fixtures_cover_every_mlx_bun_kind_and_version():
 
 def test_mlx_bun_fixtures_stay_small():
     total = sum(p.stat().st_size for p in BUN.rglob("*") if p.is_file())
-    assert total < 1_600_000, f"fixtures/mlx-bun takes {total} bytes (mostly 16 KiB alignment zeros)"
+    assert total < 1_800_000, f"fixtures/mlx-bun takes {total} bytes (mostly 16 KiB alignment zeros)"
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=[f["name"] for f in FIXTURES])
@@ -428,7 +436,17 @@ def _continue(caches, steps=3, start=50):
 
 
 @pytest.mark.parametrize(
-    "name", ["kv-v3", "qkv-v3", "rotating-v3", "rotating-wrapped-v3", "rotating-qkv-wrapped-v3", "turboquant-v3"]
+    "name",
+    [
+        "kv-v3",
+        "qkv-v3",
+        "rotating-v3",
+        "rotating-wrapped-v3",
+        "rotating-qkv-wrapped-v3",
+        "rotating-prompt-v3",
+        "rotating-chunk-v3",
+        "turboquant-v3",
+    ],
 )
 def test_restored_caches_continue_exactly_like_the_source(name, tmp_path):
     """mlx-bun's own persistence test: append more tokens to the source and to the restored
@@ -440,6 +458,80 @@ def test_restored_caches_continue_exactly_like_the_source(name, tmp_path):
     for (ka, va), (kb, vb) in zip(_continue(src), _continue(restored)):
         for a, b in ((ka, kb), (va, vb)):
             assert all(_bits(x) == _bits(y) for x, y in zip(arrays(a), arrays(b), strict=True))
+
+
+def _mlx_lm_ring(max_size: int, prompt: int, steps: int, chunk: int = 0):
+    """mlx-lm's own RotatingKVCache fed what the generator feeds its source ring."""
+    from mlx_lm.models.cache import RotatingKVCache as MlxLmRing
+
+    return generator().feed(MlxLmRing(max_size), prompt, steps, chunk)
+
+
+@pytest.mark.parametrize(
+    "name, feed",
+    [("rotating-prompt-v3", (9, 0)), ("rotating-chunk-v3", (5, 5, 3)), ("rotating-wrapped-v3", (5, 5))],
+)
+def test_a_ring_past_its_window_continues_as_mlx_lms_own_ring(name, feed, tmp_path):
+    """A ring that holds more rows than its window (``maxSize - 1 + S`` after an ``S``-token
+    append, ``S`` after a first one) is the file mlx-lm's RotatingKVCache and mlx-bun's leave:
+    the file holds mlx-lm's ring bit for bit, and the restored ring continues it exactly
+    (single tokens through the trim and the wrap, and another multi-token append), with the
+    same masks; written back as mlx-bun's it is the same file."""
+    path = BUN / f"{name}.mlxkv"
+    restored = mlxkv.load(str(path)).caches[0]
+    theirs = _mlx_lm_ring(8, *feed)
+    assert restored._rows() == theirs.keys.shape[2] and (restored.offset, restored._idx) == (theirs.offset, theirs._idx)
+    assert _bits(restored.keys) == _bits(theirs.keys) and _bits(restored.values) == _bits(theirs.values)
+    mlxkv.save(
+        str(tmp_path / "again.mlxkv"),
+        [restored],
+        mlxkv.read_header(str(path))["tokens"],
+        format="mlx-bun",
+        created_at=MANIFEST["createdAtMs"],
+        fsync=False,
+    )
+    g, t = generator(), 40
+    for n in (1, 1, 4, 1, 1, 9, 1):
+        for window in (None, 4):
+            assert _mask_bits(restored.make_mask(n, window)) == _mask_bits(theirs.make_mask(n, window)), (n, window)
+        ours = restored.update_and_fetch(g.ramp(t, n), g.ramp(t, n, phase=1.0))
+        want = theirs.update_and_fetch(g.ramp(t, n), g.ramp(t, n, phase=1.0))
+        assert [_bits(a) for a in ours] == [_bits(a) for a in want], (name, t, n)
+        assert (restored.offset, restored._idx, restored._rows()) == (theirs.offset, theirs._idx, theirs.keys.shape[2])
+        t += n
+
+
+def _mask_bits(m):
+    return m if m is None or isinstance(m, str) else (m.dtype, m.shape, _bits(m))
+
+
+@pytest.mark.parametrize("fmt", ["mlx-bun", "mlxkv"])
+def test_a_gemma3_cache_after_a_long_prompt_is_saved_whole_and_continues_exactly(fmt, tmp_path):
+    """The seeded gemma3 after a 40-token prompt (its window is 32, so its rings hold 40 rows):
+    mlx-lm's own caches, saved by mlx-lm and converted, and mlxkv's own caches, saved, both in
+    each format; every restored set gives mlx-lm's own logits, bit for bit, as all continue."""
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    from mlxkv.models.seeded import build_model, prompt
+
+    model = build_model("gemma3")
+    theirs, mine, tokens = make_prompt_cache(model), mlxkv.make_cache(model, "bf16"), prompt(40)
+    model(mx.array([tokens]), cache=theirs)
+    model(mx.array([tokens]), cache=mine)
+    assert {c.keys.shape[2] for c in theirs if type(c).__name__ == "RotatingKVCache"} == {40}
+    save_prompt_cache(str(tmp_path / "p.safetensors"), theirs)
+    converted, saved = tmp_path / f"converted.{fmt}", tmp_path / f"saved.{fmt}"
+    mlxkv.convert_prompt_cache(str(tmp_path / "p.safetensors"), str(converted), tokens=tokens, format=fmt)
+    mlxkv.save(str(saved), mine, tokens, model=model, format=fmt, fsync=False)
+    restored = []
+    for path in (converted, saved):
+        rings = [e for e in mlxkv.read_header(str(path))["caches"] if e["kind"] == "rotating"]
+        assert rings and all(e["tensors"][0]["shape"][2] == 40 > e["maxSize"] for e in rings)
+        restored.append(mlxkv.load(str(path), model).caches)
+    step = mx.array([tokens[-5:]])
+    for x in (step[:, :1], step[:, 1:2], step, step[:, :1]):
+        want = _bits(model(x, cache=theirs))
+        assert all(_bits(model(x, cache=caches)) == want for caches in restored)
 
 
 def test_via_an_mlxkv_snapshot_a_ring_loses_only_its_unwritten_tail(tmp_path):
@@ -464,7 +556,7 @@ def test_empty_or_inconsistent_caches_are_refused(tmp_path):
     with pytest.raises(errors.SnapshotError, match="offset 7 but 3 tokens"):
         mlxkv.save(str(tmp_path / "x.mlxkv"), [c], [1, 2, 3], format="mlx-bun")
     with pytest.raises(errors.SnapshotError, match="unknown snapshot format"):
-        mlxkv.save(str(tmp_path / "x.mlxkv"), [c], list(range(7)), format="mlx-lm")
+        mlxkv.save(str(tmp_path / "x.mlxkv"), [c], list(range(7)), format="gguf")
     assert os.listdir(tmp_path) == []
 
 
@@ -569,6 +661,30 @@ def test_cli_convert_both_ways(tmp_path, capsys):
     )
     assert "mlx-bun has no codec" in capsys.readouterr().err
     assert not (tmp_path / "t.mlxkv").exists() and not (tmp_path / "a.safetensors").exists()
+
+
+def test_created_at_milliseconds_survive_mlx_bun_to_mlxkv_and_back(tmp_path):
+    snap = mlxkv.load(str(BUN / "kv-v3.mlxkv"))
+    bun, st, back = tmp_path / "a.mlxkv", tmp_path / "b.safetensors", tmp_path / "c.mlxkv"
+    mlxkv.save(str(bun), snap.caches, snap.tokens, format="mlx-bun", created_at=1767225600123, fsync=False)
+    assert cli(["convert", str(bun), str(st)]) == 0
+    assert mlxkv.read_header(str(st))["createdAt"] == "2026-01-01T00:00:00.123Z"
+    assert cli(["convert", str(st), str(back)]) == 0
+    assert mlxkv.load(str(back)).created_at == 1767225600123
+
+
+def test_cli_convert_to_a_mlxkv_name_writes_mlx_bun_unless_told(tmp_path, capsys):
+    """Without ``--to``, a DST ending in ``.mlxkv`` (mlx-bun's extension) is written as an
+    mlx-bun file; any other name as an mlxkv snapshot; ``--to`` wins over the name."""
+    src = str(ROOT / "valid" / "kv-llama.safetensors")
+    assert cli(["convert", src, str(tmp_path / "a.mlxkv")]) == 0
+    assert "(mlx-bun)" in capsys.readouterr().out
+    assert mlxkv.read_header(str(tmp_path / "a.mlxkv"))["codecProvider"] == "mlx-bun"
+    assert cli(["convert", str(tmp_path / "a.mlxkv"), str(tmp_path / "b.safetensors")]) == 0
+    assert "(mlxkv)" in capsys.readouterr().out
+    assert mlxkv.read_header(str(tmp_path / "b.safetensors"))["codecProvider"] == "mlxkv"
+    assert cli(["convert", src, str(tmp_path / "c.mlxkv"), "--to", "mlxkv"]) == 0
+    assert mlxkv.read_header(str(tmp_path / "c.mlxkv"))["codecProvider"] == "mlxkv"
 
 
 # -- layering -------------------------------------------------------------------------------------

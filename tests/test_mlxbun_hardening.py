@@ -139,12 +139,12 @@ HEADERS = {
         {},
         "has exactly kind, offset, tensors",
     ),
-    "a ring longer than its window": (
+    "a ring whose unwritten tail passes its window": (
         "rotating-v3",
         lambda h: h["caches"][0].update(maxSize=7, idx=6),
         None,
         {},
-        "a ring of 8 rows, more than maxSize 7",
+        "a ring of 8 rows at offset 6 with maxSize 7",
     ),
     "attachment metadata holding a list": (
         "attachments-v4",

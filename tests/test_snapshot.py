@@ -127,6 +127,17 @@ def test_truncated_file(saved):
         mlxkv.read_header(path)
 
 
+@pytest.mark.parametrize("content", [b"", b"hello, this is a text file\n", bytes(range(256)) * 4])
+def test_a_file_that_is_no_snapshot_is_reported_as_such(tmp_path, content):
+    path = tmp_path / "other.bin"
+    path.write_bytes(content)
+    want = "an empty file, not a snapshot" if not content else "not a snapshot: it has no mlx-bun magic"
+    for read in (mlxkv.read_header, mlxkv.load, mlxkv.verify):
+        with pytest.raises(mlxkv.CorruptSnapshotError, match=want) as e:
+            read(str(path))
+        assert "truncated" not in str(e.value)
+
+
 def test_flipped_bit_in_a_tensor(saved):
     path = saved[0]
     flip_bit(path, data_start(path) + 1000, bit=3)

@@ -478,7 +478,11 @@ def _take_rows(a, rows: np.ndarray):
 
 
 def merge_attention_rows(fmt, rows, cls=BatchedKVCache):
-    """One batch from serial caches of ``fmt``'s kind (one gather places every row)."""
+    """One batch from serial caches of ``fmt``'s kind (one gather places every row).
+
+    The buffer is exactly the longest row's columns, as mlx-lm's ``BatchKVCache.merge``
+    makes it (``keys`` is ``[B, H, T, D]``, T its ``_idx``): the first append repacks it
+    with ``step`` columns of slack, as mlx-lm's allocates ``step`` more."""
     read = [fmt.read(r) for r in rows]  # (keys tuple, values tuple, count, extras) per row
     counts = np.array([c for _, _, c, _ in read], dtype=np.int64)
     offsets = [int(r.offset) for r in rows]
@@ -495,7 +499,7 @@ def merge_attention_rows(fmt, rows, cls=BatchedKVCache):
                     f"{fmt.serial_kind} rows with different head geometry or dtype cannot share a batch: "
                     f"{tuple(ref.shape)} {ref.dtype} vs {tuple(k[0].shape)} {k[0].dtype}"
                 )
-        width = round_up(cols.idx + 1, cls.step)
+        width = cols.idx
         empty = lambda t: tuple(a[..., :0, :] for a in t)
         ks = [k if c > 0 else empty(full[0][0]) for k, _, c, _ in read]
         vs = [v if c > 0 else empty(full[0][1]) for _, v, c, _ in read]

@@ -9,6 +9,8 @@ only when their formats are equal. Each family's record names its format functio
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from ..caches.plain import KVCache
 from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
@@ -47,8 +49,13 @@ class LinearRows(RowFormat):
 
 @dataclass(frozen=True)
 class RingRows(RowFormat):
-    """``kv:rotating-plain`` and ``kv:rotating-quant:<bits>:<group>``: the ring's stored
-    positions in temporal order (``keep`` sinks first), restored position-exact."""
+    """``kv:rotating-plain`` and ``kv:rotating-quant:<bits>:<group>``: the positions the
+    ring attends next in temporal order (``keep`` sinks first, then its most recent, at most
+    ``max_size`` of them), restored position-exact.
+
+    A ring holds up to ``max_size - 1 + S`` positions after an S-token append; the positions
+    beyond ``max_size`` are evicted before its next append reads anything, so a row leaves
+    them out (mlx-lm's ``BatchRotatingKVCache.merge`` takes the same ``size()`` positions)."""
 
     storage: object
     max_size: int = 0
@@ -64,7 +71,12 @@ class RingRows(RowFormat):
         if row.keys is None or row.offset == 0:
             return None, None, 0, {}
         k, v = _tuple(row._temporal_order(row.keys)), _tuple(row._temporal_order(row.values))
-        return k, v, k[0].shape[2], {}
+        n = k[0].shape[2]
+        if n > self.max_size:
+            recent = self.max_size - self.keep
+            cut = lambda t: tuple(mx.concatenate([a[..., : self.keep, :], a[..., n - recent :, :]], axis=2) for a in t)
+            k, v, n = cut(k), cut(v), self.max_size
+        return k, v, n, {}
 
     def restore(self, keys, values, offset, count, dtype, extras):
         row = self.empty()

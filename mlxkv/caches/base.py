@@ -26,6 +26,16 @@ class DtypeAttribute:
         obj.__dict__[self.stored_as] = None if value is None else str(value).rsplit(".", 1)[-1]
 
 
+class DenseKeysAndValues:
+    """mlx-lm's ``keys_and_values()`` for caches whose storage is not mlx-lm's: the stored
+    positions decoded to dense keys and values (``dense_window``), ``(None, None)`` when
+    empty. mlx-lm's KV-shared layers (gemma3n, afm7) attend another layer's cache this way."""
+
+    def keys_and_values(self):
+        window = self.dense_window()
+        return (None, None) if window is None else window
+
+
 class CacheContract(NamedReads):
     """Mixin: ``kind``, the shared ``masks``, ``minimum_reusable_offset``, byte accounting.
 

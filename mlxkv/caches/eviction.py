@@ -12,12 +12,12 @@ from mlx_lm.models import cache as mlx_cache
 from ..checks import is_int
 from ..errors import CacheConfigError
 from ..math.selection import position_rows
-from .base import CacheContract, row_bytes
+from .base import CacheContract, DenseKeysAndValues, row_bytes
 
 _STAMPS = itertools.count(1)  # a fresh stamp per mutation: window masks are memoized by it
 
 
-class EvictionKVCache(CacheContract, mlx_cache._BaseCache):
+class EvictionKVCache(DenseKeysAndValues, CacheContract, mlx_cache._BaseCache):
     """Kept rows ``keys`` [B, H, T, D], ``values`` [B, H, T, Dv] in temporal order and
     ``positions`` int32 [B, H, T], the original position of every kept row.
 

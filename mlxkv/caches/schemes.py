@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..checks import is_int
 from ..errors import SchemeError
 from ..families import Scheme, scheme_families
+from . import kv_bits  # noqa: F401 - mlx-lm's kv_bits refused when generation starts
 from .arrays import ArraysCache
 from .base import CacheContract
 from .masks import ForwardMasks
@@ -21,6 +22,21 @@ from .rotating import RotatingKVCache
 from .transition import Bf16FirstCache, PendingConversion
 
 RING_KEEP = 4  # the first positions a max_kv_size ring keeps (mlx-lm's choice)
+#: mlx-lm's generate options that quantize caches; an mlxkv scheme says the same
+MLX_LM_QUANTIZATION = ("kv_bits", "kv_group_size", "quantized_kv_start")
+
+
+#: one scheme of each form, as errors and ``mlxkv schemes`` show them
+SCHEME_EXAMPLES = (
+    "bf16",
+    "kv4",
+    "kv8-g32",
+    "kv4-start256",
+    "turbo-k8v3",
+    "turbo-k4v2-start256",
+    "tova-b512-s4",
+    "qfilters-b512-s4-r128",
+)
 
 
 def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
@@ -31,9 +47,21 @@ def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
         if m:
             return parse(m, options or {})
     raise SchemeError(
-        f"unknown cache scheme {scheme!r}; schemes look like bf16, kv4, kv8-g32, kv4-start256, "
-        "turbo-k8v3, turbo-k4v2-start256, tova-b512-s4, qfilters-b512-s4-r128"
+        f"unknown cache scheme {scheme!r}; schemes look like {', '.join(SCHEME_EXAMPLES)} (`mlxkv schemes` lists them)"
     )
+
+
+def scheme_grammar() -> list[tuple[str, str]]:
+    """(the form, the examples) of every registered family's schemes: ``kv<bits>[-g<group>]``
+    read off its pattern."""
+    out = []
+    for family in scheme_families():
+        pattern = family.scheme[0]
+        form = re.sub(r"\(\?P<(\w+)>\\d\+\)", r"<\1>", pattern)
+        form = re.sub(r"\(\?:([^()]*)\)\?", r"[\1]", form).replace("|", " | ")
+        examples = [e for e in SCHEME_EXAMPLES if re.fullmatch(pattern, e)]
+        out.append((form, ", ".join(examples) or "-"))
+    return out
 
 
 def scheme_for_pending(pending: dict, options: dict | None = None) -> PendingConversion:
@@ -117,6 +145,15 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
     ``max_kv_size`` turns full-attention layers into rings of that size keeping the first
     4 positions (mlx-lm's choice), rotating-quantized under an affine scheme.
     """
+    mlx_lm_quantization = sorted(set(options) & set(MLX_LM_QUANTIZATION))
+    if mlx_lm_quantization:
+        bits, group = options.get("kv_bits", 4), options.get("kv_group_size", 64)
+        start = options.get("quantized_kv_start")
+        scheme = f"kv{bits}-g{group}" + ("" if start is None else f"-start{start}")
+        raise SchemeError(
+            f"make_cache: {', '.join(mlx_lm_quantization)} are mlx-lm's generate options, not mlxkv's: "
+            f"give them in the scheme, make_cache(model, {scheme!r})"
+        )
     parsed = parse_scheme(scheme, options)
     if max_kv_size is not None:
         _check_ring(parsed, scheme, max_kv_size)

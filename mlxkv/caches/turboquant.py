@@ -33,7 +33,7 @@ from ..errors import CacheConfigError, MLXKVError
 from ..families import Scheme
 from ..math import turboquant as tq
 from . import codes_window
-from .base import CacheContract, DtypeAttribute
+from .base import CacheContract, DenseKeysAndValues, DtypeAttribute
 from .plain import KVCache
 from .reads import AttentionRead
 from .transition import Bf16FirstCache, PendingConversion
@@ -73,7 +73,7 @@ class CodesRead:
         return codes_window.CodesWindow(self.stored, self.k_bits, self.v_bits).attend(queries, scale, self.mask)
 
 
-class TurboQuantKVCache(CacheContract, mlx_cache._BaseCache):
+class TurboQuantKVCache(DenseKeysAndValues, CacheContract, mlx_cache._BaseCache):
     kind_prefix = "kv:turboquant:"
     step = 256
     dtype = DtypeAttribute()  # the dtype dense_window decodes to (the last append's)

@@ -1,4 +1,5 @@
-"""The ``mlxkv`` command: ``demo``, ``fetch-model``, ``inspect``, ``verify``, ``convert``, ``serve``.
+"""The ``mlxkv`` command: ``demo``, ``fetch-model``, ``inspect``, ``verify``, ``convert``,
+``schemes``, ``serve`` (and ``python -m mlxkv``).
 
 The parser is here, the small commands in ``commands.py``, the demo in ``demo.py``. Errors are
 mlxkv's own messages on stderr with exit code 1.
@@ -10,7 +11,7 @@ import sys
 from ..errors import MLXKVError
 from ..models.registry import DTYPES, MODELS
 from ..serve.options import add_arguments as add_serve_arguments
-from .commands import cmd_convert, cmd_fetch_model, cmd_inspect, cmd_serve, cmd_verify
+from .commands import cmd_convert, cmd_fetch_model, cmd_inspect, cmd_schemes, cmd_serve, cmd_verify
 from .demo import add_arguments as add_demo_arguments
 from .demo import cmd_demo, cmd_resume
 from .output import LARGE_FILE, Progress, layers_by_kind, print_table
@@ -18,9 +19,16 @@ from .output import LARGE_FILE, Progress, layers_by_kind, print_table
 __all__ = ["LARGE_FILE", "Progress", "build_parser", "layers_by_kind", "main", "print_table"]
 
 
+#: the commands ``--help`` lists (``_resume`` is the demo's own, run in its fresh process)
+COMMANDS = ("demo", "fetch-model", "inspect", "verify", "convert", "schemes", "serve")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     p = argparse.ArgumentParser(prog="mlxkv", description="Snapshots of MLX key/value caches.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"mlxkv {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
     d = sub.add_parser("demo", help="generate, checkpoint, resume in a fresh process, compare")
     add_demo_arguments(d)
@@ -35,15 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     c = sub.add_parser(
-        "convert", help="mlx-lm prompt-cache file, mlxkv snapshot or mlx-bun cache file -> mlxkv or mlx-bun"
+        "convert", help="mlx-lm prompt-cache file, mlxkv snapshot or mlx-bun cache file -> mlxkv, mlx-bun or mlx-lm"
     )
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument(
         "--to",
-        choices=("mlxkv", "mlx-bun"),
-        default="mlxkv",
-        help="the format to write: an mlxkv snapshot (default) or an mlx-bun cache file (docs/mlx-bun.md)",
+        choices=("mlxkv", "mlx-bun", "mlx-lm"),
+        default=None,
+        help="the format to write: an mlxkv snapshot, an mlx-bun cache file (docs/mlx-bun.md) or an "
+        "mlx-lm prompt-cache file (docs/sessions.md); default: mlx-bun for a DST ending in .mlxkv "
+        "(mlx-bun's extension), else mlxkv",
     )
     c.add_argument(
         "--tokens",
@@ -62,11 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights (q4: SmolLM2's own 4-bit)")
     f.set_defaults(func=cmd_fetch_model)
 
+    k = sub.add_parser("schemes", help="the cache schemes make_cache and serve --scheme accept")
+    k.set_defaults(func=cmd_schemes)
+
     s = sub.add_parser("serve", help="mlx-lm's OpenAI-compatible server on mlxkv caches of one scheme")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
-    r = sub.add_parser("_resume")  # internal, used by demo
+    r = sub.add_parser("_resume")  # internal, used by demo (no help: not listed)
     r.add_argument("manifest")
     r.set_defaults(func=cmd_resume)
     return p

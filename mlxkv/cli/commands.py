@@ -1,6 +1,7 @@
 """The small commands: ``inspect`` (a snapshot's header), ``verify`` (every checksum),
-``convert`` (mlx-lm prompt-cache files and snapshots between formats), ``fetch-model`` (a real
-model as an mlx-lm directory) and ``serve`` (mlx-lm's server on mlxkv caches)."""
+``convert`` (mlx-lm prompt-cache files and snapshots between formats), ``schemes`` (the
+valid cache schemes), ``fetch-model`` (a real model as an mlx-lm directory) and ``serve``
+(mlx-lm's server on mlxkv caches)."""
 
 import os
 import sys
@@ -33,17 +34,29 @@ def cmd_verify(args) -> int:
 
 def cmd_convert(args) -> int:
     from ..formats.mlxlm import parse_tokens
-    from ..formats.table import convert
+    from ..formats.table import convert, format_for
     from ..state.identity import RECORDED
 
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     identity = {k: getattr(args, k) for k in RECORDED if getattr(args, k) is not None}
-    header = convert(args.src, args.dst, to=args.to, tokens=tokens, progress=Progress("writing"), **identity)
+    to = format_for(args.dst, args.to)
+    header = convert(args.src, args.dst, to=to, tokens=tokens, progress=Progress("writing"), **identity)
     kinds = [e["kind"] for e in header["caches"]]
     print(
-        f"wrote {args.dst} ({args.to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
+        f"wrote {args.dst} ({to}): {len(kinds)} layers ({layers_by_kind(kinds)}), "
         f"{len(header['tokens'])} tokens, {os.path.getsize(args.dst)} bytes"
     )
+    return 0
+
+
+def cmd_schemes(args) -> int:
+    from ..caches.schemes import scheme_grammar
+
+    print("Cache schemes (mlxkv.make_cache(model, SCHEME), mlxkv serve --scheme SCHEME):")
+    for grammar, example in scheme_grammar():
+        print(f"  {grammar.ljust(36)}  e.g. {example}")
+    print("Any scheme with --max-kv-size N / max_kv_size=N: full-attention layers become rings of N positions")
+    print("(schemes without a ring form refuse it). What each costs: docs/choosing-a-scheme.md")
     return 0
 
 

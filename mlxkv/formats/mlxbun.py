@@ -155,10 +155,14 @@ def _translate_entry(where: str, i: int, raw, records: list, tokens: list) -> _L
     except CorruptSnapshotError as e:
         raise CorruptSnapshotError(f"{where}: cache entry {i}: {e}") from None
     check_position(where, i, entry, tokens)
-    if form.ring:  # the tail a ring grows never takes it past its window
-        rows = records[0].info.shape[2]
-        if rows > entry["maxSize"]:
-            _corrupt(where, f"cache entry {i} ({kind}): a ring of {rows} rows, more than maxSize {entry['maxSize']}")
+    if form.ring:  # rows past offset are a tail grown before the ring is full, never past its window
+        rows, size = records[0].info.shape[2], entry["maxSize"]
+        if rows > max(offset, size):
+            _corrupt(
+                where,
+                f"cache entry {i} ({kind}): a ring of {rows} rows at offset {offset} with maxSize {size}: "
+                "rows past the offset are the unwritten tail of a ring not yet full, at most maxSize",
+            )
     return _Layer(entry, list(records), floor)
 
 

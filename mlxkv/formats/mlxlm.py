@@ -1,4 +1,5 @@
-"""mlx-lm's own prompt-cache files (``mlx_lm.models.cache.save_prompt_cache``), read.
+"""mlx-lm's own prompt-cache files (``mlx_lm.models.cache.save_prompt_cache``), read and
+written.
 
 The current mlx-lm layout (since ml-explore/mlx-lm PR #1778, which put the scalars into
 each cache's ``state`` and dropped ``meta_state``) is a safetensors file whose
@@ -19,6 +20,11 @@ Class names are mapped explicitly to mlxkv caches (never looked up by name); any
 class raises :class:`UnsupportedPromptCacheClassError`. mlx-lm files do not record the tokens
 their caches cover, so they are no snapshot to load: the format table converts them
 (:func:`convert_source`; ``mlxkv.convert_prompt_cache`` says where the tokens come from).
+
+:func:`save_mlx_lm` writes the same layout from the caches' entries (``kinds.entries``) for
+the kinds mlx-lm has a class of (:data:`MLX_LM_FORMS`); the tokens go into the metadata's
+``tokens`` entry, which this reader takes back, beside ``model`` and ``tokenizer_config``,
+which ``mlx_lm.generate --prompt-cache-file`` reads.
 """
 
 import json
@@ -26,15 +32,29 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from ..caches.arrays import ArraysCache
 from ..caches.masks import ForwardMasks
 from ..caches.plain import KVCache
 from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache
 from ..checks import is_count, is_int_list
-from ..errors import CacheConfigError, CorruptSnapshotError, MLXKVError, SnapshotError, UnknownKindError
-from ..io.safetensors import SafetensorsFile
+from ..codecs.affine import SLOTS as AFFINE_SLOTS
+from ..errors import (
+    CacheConfigError,
+    CorruptSnapshotError,
+    MLXKVError,
+    SnapshotError,
+    UnknownKindError,
+    UnsupportedKindError,
+)
+from ..families import kind_of
+from ..io.safetensors import SafetensorsFile, write_atomic
 from ..io.tensor_reader import TensorReader
+from ..kinds.entries import encode_entries
+from ..state.identity import UNKNOWN, Identity
 from .mlxkv_header import META_KEY, not_a_snapshot
 from .snapshot import Snapshot
 
@@ -363,3 +383,103 @@ def convert_source(file: SafetensorsFile, tokens: Sequence[int] | None) -> Snaps
             "1,2,3` / `--tokens @ids.json`)"
         )
     return Snapshot(pc.caches, pc.tokens, {"modelId": pc.metadata.get("model", "")}, pc.path)
+
+
+# -- writing --------------------------------------------------------------------------
+
+
+def _affine_state(f, t):
+    return [[t[s] for s in AFFINE_SLOTS[:3]], [t[s] for s in AFFINE_SLOTS[3:]], f["offset"], f["groupSize"], f["bits"]]
+
+
+#: mlx-lm's form of each persisted kind it has a class of: (class name, its ``state`` from
+#: the entry's fields and slot arrays), the inverse of :data:`CONVERTERS`
+MLX_LM_FORMS: dict[str, tuple[str, Callable]] = {
+    "kv": ("KVCache", lambda f, t: [t["keys"], t["values"], f["offset"]]),
+    "qkv": ("QuantizedKVCache", _affine_state),
+    "rotating": (
+        "RotatingKVCache",
+        lambda f, t: [t["keys"], t["values"], f["offset"], f["keep"], f["maxSize"], f["idx"]],
+    ),
+    "ssm": ("ArraysCache", lambda f, t: [[t.get(str(j)) for j in range(f["size"])], None, None]),
+}
+#: why mlx-lm's files cannot hold a persisted kind mlxkv has
+NO_MLX_LM_FORM = {
+    "rotating-qkv": "mlx-lm has no quantized ring (its RotatingKVCache.to_quantized is not implemented)",
+    "turboquant": "mlx-lm has no TurboQuant cache",
+    "tova": "mlx-lm has no TOVA eviction cache",
+    "qfilters": "mlx-lm has no Q-Filters eviction cache",
+}
+WHAT_TO_DO = (
+    "save it as an mlxkv snapshot or an mlx-bun file (format='mlxkv' / 'mlx-bun'), or build the "
+    "caches with a scheme mlx-lm has (bf16, kv<b>[-g<g>])"
+)
+
+
+def _refuse(cache, i: int, why: str):
+    kind = kind_of(cache)
+    raise UnsupportedKindError(
+        kind,
+        f"layer {i} ({kind}): {why}, so mlx-lm's prompt-cache files cannot hold it; nothing was written: " + WHAT_TO_DO,
+    )
+
+
+def _scalar_array(path: str, value, scalars: list):
+    """A state leaf as mlx-lm's ``save_prompt_cache`` stores it (scalars recorded by name)."""
+    if isinstance(value, mx.array):
+        return value
+    if value is None:
+        scalars.append((path, "none"))
+        return mx.array([])
+    scalars.append((path, "scalar"))
+    return mx.array(value)
+
+
+def save_mlx_lm(
+    path: str,
+    caches: Sequence,
+    tokens: Sequence[int],
+    *,
+    identity: Identity = UNKNOWN,
+    generation_checkpoint: dict | None = None,
+    attachments: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    fsync: bool = True,
+    created_at=None,
+) -> dict:
+    """Write ``caches`` as an mlx-lm prompt-cache file ``mlx_lm.models.cache.load_prompt_cache``
+    loads; returns ``{"tokens", "caches" (the entries), "classes", "metadata"}``. A kind mlx-lm
+    has no class of, a pending bf16-first conversion, a generation checkpoint or attachments
+    are refused before anything is written (the file has no place for them). The write is
+    atomic."""
+    tokens, caches = [int(t) for t in tokens], list(caches)
+    entries, tensors = encode_entries(caches, tokens)
+    if generation_checkpoint is not None or attachments:
+        what = "a generation checkpoint" if generation_checkpoint is not None else "attachments"
+        raise SnapshotError(
+            f"mlx-lm's prompt-cache files have no place for {what}: save it as an mlxkv snapshot or an mlx-bun file"
+        )
+    arrays = dict(tensors)
+    states, classes = [], []
+    for i, entry in enumerate(entries):
+        kind = entry["kind"]
+        if "pendingConversion" in entry:
+            pending = entry["pendingConversion"]
+            why = f"a bf16-first cache (pending conversion {pending}) converts at its start, which no mlx-lm cache does"
+            _refuse(caches[i], i, why)
+        if kind not in MLX_LM_FORMS:
+            _refuse(caches[i], i, NO_MLX_LM_FORM.get(kind, f"mlx-lm has no cache class for mlxkv's {kind!r}"))
+        cls, state = MLX_LM_FORMS[kind]
+        slots = {t["slot"]: arrays[t["name"]] for t in entry["tensors"]}
+        states.append(state(entry, slots))
+        classes.append(cls)
+    scalars = [""]  # mlx-lm's sentinel
+    flat = [(name, _scalar_array(name, leaf, scalars)) for name, leaf in tree_flatten(states)]
+    metadata = {
+        "model": identity.model_id,
+        "tokenizer_config": "{}",
+        TOKENS_METADATA_KEY: json.dumps(tokens, separators=(",", ":")),
+    }
+    flat_meta = dict(tree_flatten([metadata, classes, scalars]))
+    write_atomic(path, flat, lambda crcs: flat_meta, progress=progress, fsync=fsync)
+    return {"tokens": tokens, "caches": entries, "classes": classes, "metadata": metadata}

@@ -1,5 +1,5 @@
 """What a load gives, whatever the file's format: a :class:`Snapshot`, and the two forms of a
-creation time the formats record (mlxkv's ISO seconds, mlx-bun's milliseconds)."""
+creation time the formats record (mlxkv's ISO form, mlx-bun's milliseconds)."""
 
 import calendar
 import time
@@ -34,7 +34,10 @@ class Snapshot:
 
 
 def iso_time(ms: int) -> str:
-    return time.strftime(ISO_FORMAT, time.gmtime(ms // 1000))
+    """The ISO form of ``ms``: whole seconds as ``YYYY-MM-DDTHH:MM:SSZ``, else with the
+    milliseconds (``...:SS.123Z``), so an mlx-bun time survives a round trip through mlxkv."""
+    seconds = time.strftime(ISO_FORMAT, time.gmtime(ms // 1000))
+    return seconds if ms % 1000 == 0 else f"{seconds[:-1]}.{ms % 1000:03d}Z"
 
 
 def iso_created(created_at) -> str:
@@ -52,10 +55,13 @@ def epoch_ms(created_at) -> int:
     if is_int(created_at):
         return created_at
     try:
-        return calendar.timegm(time.strptime(created_at, ISO_FORMAT)) * 1000
-    except (TypeError, ValueError):
+        whole, dot, frac = created_at.removesuffix("Z").partition(".")
+        if dot and not (len(frac) == 3 and frac.isdigit()):
+            raise ValueError(frac)
+        return calendar.timegm(time.strptime(whole + "Z", ISO_FORMAT)) * 1000 + (int(frac) if dot else 0)
+    except (AttributeError, TypeError, ValueError):
         raise SnapshotError(
-            f"created_at {created_at!r}: give milliseconds since the epoch or 'YYYY-MM-DDTHH:MM:SSZ'"
+            f"created_at {created_at!r}: give milliseconds since the epoch or 'YYYY-MM-DDTHH:MM:SS[.mmm]Z'"
         ) from None
 
 

@@ -90,6 +90,7 @@ FORMATS = (
         verify=mlxlm.refuse,
         describe=mlxlm.refuse,
         convert_source=mlxlm.convert_source,
+        save=mlxlm.save_mlx_lm,
     ),
 )
 
@@ -106,6 +107,19 @@ def writer(name: str) -> Format:
             return f
     names = " or ".join(repr(f.name) for f in FORMATS if f.save is not None)
     raise SnapshotError(f"unknown snapshot format {name!r}: {names}")
+
+
+#: the file-name ending that names a format (mlx-bun's cache files are ``<uuid>.mlxkv``);
+#: any other name is written as an mlxkv snapshot unless a format is given
+EXTENSIONS = {".mlxkv": "mlx-bun"}
+
+
+def format_for(path: str, to: str | None) -> str:
+    """The format a conversion writes to ``path``: ``to`` when given, else the one its
+    extension names (``.mlxkv``: mlx-bun's), else mlxkv."""
+    if to is not None:
+        return to
+    return next((name for ext, name in EXTENSIONS.items() if path.endswith(ext)), "mlxkv")
 
 
 # -- the public functions -----------------------------------------------------------------
@@ -135,7 +149,9 @@ def save(
     identity keywords, when given, override it. Everything is checked before the file is
     opened; the write is atomic, so a snapshot already at ``path`` survives any failure.
     ``created_at`` pins the timestamp (fixtures). ``format="mlx-bun"`` writes mlx-bun's
-    cache-file format instead (docs/mlx-bun.md).
+    cache-file format instead (docs/mlx-bun.md), ``format="mlx-lm"`` mlx-lm's prompt-cache
+    file (``mlx_lm.models.cache.load_prompt_cache`` loads it; kinds mlx-lm lacks are refused,
+    docs/sessions.md).
     """
     target = writer(format)
     identity = Identity.resolved(
@@ -207,11 +223,12 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _converted(source: Callable[[], Snapshot], src: str, dst: str, to: str, progress, identity) -> dict:
-    """Write what ``source()`` takes from ``src`` as format ``to`` at ``dst``: the same caches,
-    tokens, identity (``identity`` overrides fields), checkpoint, attachments and creation
-    time. Everything is refused before ``dst`` is written."""
-    target = writer(to)
+def _converted(source: Callable[[], Snapshot], src: str, dst: str, to: str | None, progress, identity) -> dict:
+    """Write what ``source()`` takes from ``src`` as format ``to`` at ``dst`` (None: the one
+    ``dst``'s extension names, :func:`format_for`): the same caches, tokens, identity
+    (``identity`` overrides fields), checkpoint, attachments and creation time. Everything
+    is refused before ``dst`` is written."""
+    target = writer(format_for(dst, to))
     if _same_file(src, dst):
         raise SnapshotError(
             f"{dst}: is the file being converted ({src}): writing there would replace the source; "
@@ -233,14 +250,16 @@ def _converted(source: Callable[[], Snapshot], src: str, dst: str, to: str, prog
 def convert(
     src: str,
     dst: str,
-    to: str = "mlxkv",
+    to: str | None = None,
     *,
     tokens: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None,
     **identity,
 ) -> dict:
     """Rewrite ``src`` (an mlxkv snapshot, an mlx-bun file or an mlx-lm prompt-cache file) as
-    format ``to`` at ``dst``; returns the written header. ``tokens``: the tokens an mlx-lm
+    format ``to`` at ``dst`` ("mlxkv", "mlx-bun" or "mlx-lm"; by default the one ``dst``'s
+    extension names: ``.mlxkv`` is mlx-bun's, any other name mlxkv's); returns the written
+    header. ``tokens``: the tokens an mlx-lm
     file's caches cover (``convert_prompt_cache``). Attachments cross only between files of
     one format (mlxkv's are JSON, mlx-bun's hold tensors): the conversion of a file with
     attachments to the other format is refused rather than drop them."""
@@ -257,11 +276,11 @@ def convert_prompt_cache(
     dst: str,
     tokens: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None,
-    format: str = "mlxkv",
+    format: str | None = None,
     **identity,
 ) -> dict:
     """Convert the mlx-lm prompt-cache file ``src`` into the mlxkv snapshot ``dst``
-    (``format="mlx-bun"``: into an mlx-bun cache file).
+    (``format="mlx-bun"``, or a ``dst`` ending in ``.mlxkv``: into an mlx-bun cache file).
 
     The snapshot records the exact tokens its caches cover, which mlx-lm files do not:
     they come from ``tokens`` or else from a ``tokens`` entry (a JSON list) in the file's

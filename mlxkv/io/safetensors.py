@@ -302,10 +302,18 @@ class SafetensorsFile(TensorFile):
     def _read_header(self) -> None:
         path, size = self.path, self.size
         head = self.read(8, 0)
+        if size == 0:
+            raise CorruptSnapshotError(f"{path}: an empty file, not a snapshot")
         if len(head) < 8:
             raise CorruptSnapshotError(f"{path}: truncated: {size} bytes, not even a header length")
         (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > size:
+        if n > MAX_HEADER or self.read(1, 8) not in (b"{", b""):  # a header is a JSON object
+            raise CorruptSnapshotError(
+                f"{path}: not a snapshot: it has no mlx-bun magic and does not start as a safetensors file "
+                f"(header length {n}, no JSON header after it); expected an mlxkv snapshot, an mlx-bun cache "
+                "file or an mlx-lm prompt-cache file"
+            )
+        if 8 + n > size:
             raise CorruptSnapshotError(
                 f"{path}: truncated or damaged: header length {n} does not fit a {size}-byte file"
             )

@@ -9,10 +9,6 @@ exits with status 2); ``mlx_lm_arguments(args)`` turns them into the namespace
 import argparse
 import json
 
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.utils import _parse_size
-
-from ..caches.schemes import canonical_scheme
 from ..errors import MLXKVError
 
 
@@ -34,16 +30,22 @@ REFUSED = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", required=True, help="local model directory (or a Hugging Face repo id)")
+    p.add_argument("--model", required=True, help="local model directory (or a Hugging Face repo id); required")
     p.add_argument(
-        "--scheme", default="bf16", help="cache scheme of every request: bf16, kv4, turbo-k8v3, ... (default: bf16)"
+        "--scheme",
+        default="bf16",
+        help="cache scheme of every request: bf16, kv4, turbo-k8v3, ... (`mlxkv schemes` lists them; default: bf16)",
     )
-    p.add_argument("--max-kv-size", type=int, help="full-attention layers become rings of this many positions")
+    p.add_argument(
+        "--max-kv-size",
+        type=int,
+        help="full-attention layers become rings of this many positions (default: none, unbounded)",
+    )
     p.add_argument(
         "--compiled",
         action="store_true",
         help="decode through mlxkv's compiled step (docs/compiled.md); prompts, and batches without a "
-        "compiled decode step (eviction rows, rows before their bf16-first start), run eagerly",
+        "compiled decode step (eviction rows, rows before their bf16-first start), run eagerly (default: off)",
     )
     p.add_argument(
         "--max-context",
@@ -59,7 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=64,
         help="connections served at once; one more is answered 503 with Retry-After (default: 64)",
     )
-    p.add_argument("--adapter-path", help="LoRA adapter weights applied to the model (its own store namespace)")
+    p.add_argument(
+        "--adapter-path",
+        help="LoRA adapter weights applied to the model (its own store namespace; default: none)",
+    )
     p.add_argument(
         "--allowed-origins",
         type=lambda x: [o for o in x.split(",") if o],
@@ -67,11 +72,26 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="comma-separated origins whose web pages may read the answers (CORS), '*' for any "
         "(default: none, no CORS header is sent)",
     )
-    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the model's own code")
-    p.add_argument("--chat-template", default="", help="a chat template replacing the tokenizer's")
-    p.add_argument("--use-default-chat-template", action="store_true", help="the tokenizer's default template")
     p.add_argument(
-        "--chat-template-args", type=_json_object, default="{}", help="JSON object of chat-template arguments"
+        "--trust-remote-code",
+        action="store_true",
+        help="let the tokenizer run the model's own code (default: off)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default="",
+        help="a chat template replacing the tokenizer's (default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="the tokenizer's default template (default: off)",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        type=_json_object,
+        default="{}",
+        help="JSON object of chat-template arguments (default: {})",
     )
     p.add_argument("--temp", type=float, default=0.0, help="default temperature of a request (default: 0, greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request (default: 1)")
@@ -87,18 +107,22 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=10,
         help="prompt-cache entries kept in memory without a store (default: 10)",
     )
-    p.add_argument("--prompt-cache-bytes", type=_parse_size, help="byte cap of the prompt cache (e.g. 2GB)")
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=_parse_size,
+        help="byte cap of the prompt cache (e.g. 2GB; default: none, 1GB with --store or --redis)",
+    )
     p.add_argument(
         "--store",
         metavar="DIR",
         help="keep prompt caches in an mlxkv PromptStore with this directory as its disk tier "
-        "(snapshot files that survive restarts); RAM capped by --prompt-cache-bytes (default 1GB)",
+        "(snapshot files that survive restarts); RAM capped by --prompt-cache-bytes (default: none)",
     )
     p.add_argument(
         "--redis",
         metavar="URL",
         help="share prompt caches through Redis or Valkey (redis://host:6379/0, unix:///path.sock), or a "
-        "Redis Cluster (redis+cluster://host:port,host:port), with or without --store",
+        "Redis Cluster (redis+cluster://host:port,host:port), with or without --store (default: none)",
     )
     p.add_argument("--store-disk-bytes", type=_parse_size, help="byte cap of the --store directory (default: none)")
     p.add_argument(
@@ -107,6 +131,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for name in REFUSED:  # accepted by the parser so the refusal can say why
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _parse_size(text: str) -> int:
+    """A byte size as mlx-lm's server reads it (``2GB``, ``512MB``, ``1000``)."""
+    from mlx_lm.utils import _parse_size as parse  # mlx-lm (and transformers) only when the option is given
+
+    return parse(text)
 
 
 def _json_object(text: str) -> dict:
@@ -122,6 +153,8 @@ def check_flags(args) -> None:
     counts that are not positive. Raises :class:`FlagError` saying which and why. (The store's
     options, ``--store`` and ``--redis``, are checked by ``StoreOptions`` when the prompt
     cache is built, before the model loads too.)"""
+    from ..caches.schemes import canonical_scheme
+
     for name, why in REFUSED.items():
         if getattr(args, name, None) is not None:
             raise FlagError(why)
@@ -152,11 +185,15 @@ def cache_options(args) -> dict:
 def store_scheme(args) -> str:
     """What the prompt store keys its entries on: the canonical form of the scheme with every
     option that changes what the caches hold (``mlxkv.caches.schemes.canonical_scheme``)."""
+    from ..caches.schemes import canonical_scheme
+
     return canonical_scheme(args.scheme, **cache_options(args))
 
 
 def mlx_lm_arguments(args) -> argparse.Namespace:
     """The namespace ``mlx_lm.server`` reads (its ``cli_args``)."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
     return argparse.Namespace(
         model=args.model,
         adapter_path=args.adapter_path,

@@ -1,0 +1,65 @@
+"""The ``mlxkv`` command as users type it, each in a fresh process: ``python -m mlxkv``,
+``--version``, ``--help`` (the public commands only), ``serve --help`` (every default),
+``schemes``, and ``import mlxkv`` without mlx-lm."""
+
+import os
+import re
+import subprocess
+import sys
+
+import mlxkv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_python_dash_m_mlxkv_and_version():
+    r = run("-m", "mlxkv", "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"mlxkv {mlxkv.__version__}", r.stderr
+
+
+def test_help_lists_the_public_commands_only():
+    r = run("-m", "mlxkv", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "_resume" not in r.stdout
+    for command in ("demo", "fetch-model", "inspect", "verify", "convert", "schemes", "serve"):
+        assert re.search(rf"^\s+{command}\s", r.stdout, re.M), command
+
+
+def test_serve_help_shows_every_default():
+    r = run("-m", "mlxkv", "serve", "--help")
+    assert r.returncode == 0, r.stderr
+    options = re.split(r"\n  (?=--)", r.stdout.split("options:", 1)[1])[1:]
+    assert len(options) > 20
+    for text in options:
+        assert "default" in text or "required" in text, text
+
+
+def test_schemes_lists_every_form_and_says_where_they_are_described():
+    from mlxkv.caches.schemes import parse_scheme
+
+    r = run("-m", "mlxkv", "schemes")
+    assert r.returncode == 0, r.stderr
+    for form in ("kv<bits>[-g<group>][-start<start>]", "turbo-k<k>v<v>[-start<start>]", "tova-b<budget>-s<sink>"):
+        assert form in r.stdout
+    examples = re.findall(r"e\.g\. (.+)", r.stdout)
+    assert len(examples) == len([f for f in mlxkv.families() if f.scheme is not None])
+    for line in examples:
+        for scheme in line.split(", "):
+            parse_scheme(scheme)  # every example is a valid scheme
+    assert "docs/choosing-a-scheme.md" in r.stdout
+    assert "mlxkv schemes" in run("-m", "mlxkv", "serve", "--help").stdout
+
+
+def test_import_mlxkv_imports_neither_mlx_lm_nor_transformers():
+    code = (
+        "import sys, mlxkv; print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules)); "
+        "print(mlxkv.KVCache.kind)"
+    )
+    r = run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[]", "kv:plain"]
