@@ -25,6 +25,42 @@ def _quiet_sliding_warning():
         yield
 
 
+#: the real tier's demo processes (tests/test_real_sessions.py), started when collection ends
+_DEMOS = {}
+DEMO_TEST = "test_real_sessions.py::test_every_scheme_resumes_bit_identically_in_a_fresh_process"
+
+
+def pytest_collection_finish(session):
+    """Start the real tier's two demo processes (its longest test) as soon as the selected
+    tests are known, so they use the second core while the tier's other tests run here."""
+    if any(item.nodeid.endswith(DEMO_TEST) for item in session.items):
+        from test_real_sessions import demo_processes
+
+        _DEMOS.update(demo_processes())
+
+
+def pytest_sessionfinish(session):
+    for proc in _DEMOS.values():  # an interrupted run leaves no demo behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def real_demos():
+    """The demo processes conftest started (or, for a test run without collection's start,
+    started now)."""
+
+    def get():
+        if not _DEMOS:
+            from test_real_sessions import demo_processes
+
+            _DEMOS.update(demo_processes())
+        return dict(_DEMOS)
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     """The seeded llama saved as a model directory (what ``mlxkv serve --model`` and

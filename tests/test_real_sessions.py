@@ -27,14 +27,21 @@ QUESTIONS = {
 }
 
 
-def test_every_scheme_resumes_bit_identically_in_a_fresh_process():
-    """Both models' demos run at once (MLX's CPU work is one thread each: two cores, two demos)."""
+def demo_processes() -> dict:
+    """Both models' demos, started (MLX's CPU work is one thread each: two cores, two demos).
+    ``conftest.py`` starts them as the session's collection ends when this module's demo test
+    is selected, so they run beside the tier's other tests; the test waits for them."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = {}
     for name, question in QUESTIONS.items():
         args = ["demo", "--model", name, "--dtype", TIER_DTYPE, "--before", "4", "--after", "4", "--question", question]
         cmd = [sys.executable, "-m", "mlxkv.cli", *args]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return procs
+
+
+def test_every_scheme_resumes_bit_identically_in_a_fresh_process(real_demos):
+    procs = real_demos()
     outputs = {name: proc.communicate() for name, proc in procs.items()}
     for name, (out, err) in outputs.items():
         assert procs[name].returncode == 0, out + err
