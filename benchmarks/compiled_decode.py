@@ -14,10 +14,12 @@ cache lists prefilled with prompts of different lengths, merged into one batch p
 
 Models: the seeded llama, gemma3 and hybrid (4 layers, 128 hidden: per-step overhead
 dominates), and a synthetic llama of 8 layers, 1024 hidden, 8 heads of 128 (weights
-dominate). The machine's load is not controlled: read the ranges.
+dominate). ``--model NAME`` runs a fetched real model instead (``--dtype``; its prompt a real
+text through its chat template; ``--schemes``, default bf16 and turbo-k8v3). The machine's
+load is not controlled: read the ranges.
 
 Usage: python -m benchmarks.compiled_decode [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
-       --batch-sizes 1,4,8 --only-batched]
+       --batch-sizes 1,4,8 --only-batched] [--model smollm2-135m --dtype float32]
 """
 
 import argparse
@@ -28,6 +30,7 @@ import warnings
 import mlx.core as mx
 
 import mlxkv
+from benchmarks.chat import text_tokens
 from benchmarks.common import ratios, timed, write_result
 from mlxkv.models.seeded import build_model, prompt
 
@@ -125,10 +128,9 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None):
 
 def run(models, rounds, steps, B=None):
     out = []
-    for name, model, n_prompt, schemes in models:
-        tokens = prompt(n_prompt, seed=21)
+    for name, model, tokens, schemes in models:
         for scheme, options in schemes:
-            row = {"model": name, "prompt": n_prompt, **compare(model, scheme, options, tokens, rounds, steps, B)}
+            row = {"model": name, "prompt": len(tokens), **compare(model, scheme, options, tokens, rounds, steps, B)}
             if B is not None:
                 row["batch"] = B
             out.append(row)
@@ -150,21 +152,36 @@ def main(argv=None):
     ap.add_argument("--large-prompt", type=int, default=480)
     ap.add_argument("--batch-sizes", default="1,4,8", help="batched rows: batch sizes ('' for none)")
     ap.add_argument("--only-batched", action="store_true", help="skip the serial rows")
+    ap.add_argument("--model", help="a fetched real model (mlxkv.models.fetch) instead of the seeded ones")
+    ap.add_argument("--dtype", default="float32", help="with --model: the weights' dtype")
+    ap.add_argument("--schemes", default="bf16,turbo-k8v3", help="with --model: the schemes")
     ap.add_argument("--out", help="default: benchmarks/results/compiled_decode.json")
     a = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    models = [(arch, build_model(arch), a.prompt, SCHEMES) for arch in ("llama", "gemma3", "hybrid")]
-    large = build_model("llama", **LARGE)
-    models.append(("large", large, a.large_prompt, [s for s in SCHEMES if s[0] in ("bf16", "kv4", "turbo-k8v3")]))
+    if a.model:
+        import mlx_lm
+
+        from mlxkv.models import fetch
+
+        model, tokenizer = mlx_lm.load(str(fetch(a.model, dtype=a.dtype)))
+        schemes = [(s, {}) for s in a.schemes.split(",")]
+        models = [(a.model, model, text_tokens(tokenizer, a.prompt), schemes)]
+        batched = models
+    else:
+        seeded = ("llama", "gemma3", "hybrid")
+        models = [(arch, build_model(arch), prompt(a.prompt, seed=21), SCHEMES) for arch in seeded]
+        large = build_model("llama", **LARGE)
+        large_schemes = [s for s in SCHEMES if s[0] in ("bf16", "kv4", "turbo-k8v3")]
+        models.append(("large", large, prompt(a.large_prompt, seed=21), large_schemes))
+        batched = [(name, m, tokens, list(BATCHED_SCHEMES)) for name, m, tokens, _ in (models[0], models[-1])]
     res = {
-        "large_config": LARGE,
+        "model": {"name": a.model, "dtype": a.dtype} if a.model else {"seeded": True, "large_config": LARGE},
         "rounds": a.rounds,
         "steps_per_round": a.steps,
         "rows": [] if a.only_batched else run(models, a.rounds, a.steps),
         "batched_rows": [],
     }
-    batched = [(name, m, n, list(BATCHED_SCHEMES)) for name, m, n, _ in (models[0], models[-1])]
     for B in [int(b) for b in a.batch_sizes.split(",") if b]:
         res["batched_rows"] += run(batched, a.rounds, a.steps, B)
     res["seconds"] = time.perf_counter() - t0

@@ -15,20 +15,29 @@ different times. Per scheme:
   the 256-column growth steps add, the same for mlx-lm's ``BatchKVCache``);
 - mlxkv ``bf16`` (and ``bf16+compiled``) must give mlx-lm's tokens (checked, not timed).
 
+With ``--model NAME`` (a fetched real model, ``--dtype``): 16 real chat requests instead, each
+a user turn through the model's chat template (questions alone, and questions about a passage
+of 1 to 12 paragraphs: SmolLM2 reads 36 to 643 prompt tokens), ``--new`` tokens each (spread over
+1x-2x). ``--serial kv4`` also runs every request alone through ``mlx_lm.generate``'s
+``generate_step``, mlxkv's ``kv4`` against mlx-lm's own ``QuantizedKVCache`` (``kv_bits=4``,
+from token zero), which has no batched form in mlx-lm's engine.
+
 Repeats are interleaved (the scheme order rotates each repeat); medians and min-max are
 reported. The machine may be shared: ratios are what to read, taken within one repeat.
 
-Run: ``python -m benchmarks.serving [--repeats 3] [--schemes bf16,kv4,turbo-k8v3,bf16+compiled]``
-(writes benchmarks/results/serving.json).
+Run: ``python -m benchmarks.serving [--repeats 3] [--schemes bf16,kv4,turbo-k8v3,bf16+compiled]
+[--model smollm2-135m --dtype float32 --new 32 --serial kv4]`` (writes
+benchmarks/results/serving.json; ``--out`` elsewhere).
 """
 
 import argparse
 import math
 import time
 
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generate_step
 
 import mlxkv
+from benchmarks.chat import chat_requests
 from benchmarks.common import ratios, summary, write_result
 from mlxkv.models.seeded import build_model, prompt
 
@@ -64,8 +73,9 @@ def cache_bytes(layers) -> tuple[int, int, int, int]:
     for c in layers:
         if getattr(c, "keys", None) is None:
             continue
-        if isinstance(c.keys, tuple):  # an mlxkv attention layout
-            per_token, width, widest = c.bytes_per_token(), c.capacity, c.size()
+        if hasattr(c, "bytes_per_token"):  # an mlxkv attention layout (a bf16-first batch: its target's)
+            layout = getattr(c, "target", c)
+            per_token, width, widest = c.bytes_per_token(), layout.capacity, c.size()
         else:  # mlx-lm's BatchKVCache
             per_token = (c.keys.nbytes + c.values.nbytes) // (c.keys.shape[0] * c.keys.shape[2])
             width, widest = c.keys.shape[2], c._idx
@@ -120,17 +130,81 @@ def run(model, scheme, reqs, wave=4, every=16):
     }
 
 
+SERIAL_MLX_LM = {"kv4": {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0}}
+
+
+def serial_run(model, scheme, reqs):
+    """Every request alone through ``generate_step``: mlxkv's ``scheme`` (``scheme``) or
+    mlx-lm's own cache of it (``mlx-lm:scheme``: the ``generate_step`` options of
+    ``SERIAL_MLX_LM``). Tokens per second over the whole run, and the tokens."""
+    import mlx.core as mx
+
+    base = scheme.removeprefix(MLX_LM + ":")
+    tokens = []
+    t0 = time.perf_counter()
+    for p, n in reqs:
+        if scheme == base:
+            options = {"prompt_cache": mlxkv.make_cache(model, scheme)}
+        else:
+            options = SERIAL_MLX_LM[base]
+        tokens.append([int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, **options)])
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": sum(map(len, tokens)) / wall, "tokens": tokens}
+
+
+def load(args):
+    """(model, requests, description) of the seeded llama or of the fetched ``--model``."""
+    if args.model:
+        import mlx_lm
+
+        from mlxkv.models import fetch
+
+        model, tokenizer = mlx_lm.load(str(fetch(args.model, dtype=args.dtype)))
+        return model, chat_requests(tokenizer, args.new, args.requests), {"name": args.model, "dtype": args.dtype}
+    shape = WIDE if args.wide else {}
+    return build_model("llama", **shape), requests(args.requests), {"arch": "llama", **shape}
+
+
+def serial_table(model, reqs, schemes, repeats):
+    """Per scheme of ``--serial``: mlxkv's serial runs against mlx-lm's own cache, interleaved."""
+    out = {}
+    for scheme in schemes:
+        pair = [MLX_LM + ":" + scheme, scheme]
+        runs = {s: [] for s in pair}
+        for r in range(repeats):
+            for s in pair[r % 2 :] + pair[: r % 2]:
+                runs[s].append(serial_run(model, s, reqs))
+                print(f"serial repeat {r} {s:22} {runs[s][-1]['tokens_per_s']:8.1f} tok/s", flush=True)
+        mine, theirs = ([x["tokens_per_s"] for x in runs[s]] for s in (scheme, pair[0]))
+        out[scheme] = {
+            "tokens_per_s": summary(mine),
+            "mlx_lm_tokens_per_s": summary(theirs),
+            "vs_mlx_lm": ratios(mine, theirs),
+            "same_tokens": runs[scheme][0]["tokens"] == runs[pair[0]][0]["tokens"],
+        }
+        t = out[scheme]
+        print(
+            f"serial {scheme}: {t['tokens_per_s']['median']:.1f} tok/s, mlx-lm's own "
+            f"{t['mlx_lm_tokens_per_s']['median']:.1f}: {t['vs_mlx_lm']['median']:.2f} "
+            f"[{t['vs_mlx_lm']['min']:.2f}-{t['vs_mlx_lm']['max']:.2f}]; same tokens: {t['same_tokens']}"
+        )
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schemes", default="bf16,kv4,turbo-k8v3")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--wide", action="store_true", help="the wider seeded llama")
+    ap.add_argument("--model", help="a fetched real model (mlxkv.models.fetch) instead of the seeded llama")
+    ap.add_argument("--dtype", default="float32", help="with --model: the weights' dtype")
+    ap.add_argument("--new", type=int, default=32, help="with --model: new tokens per request (up to 2x)")
+    ap.add_argument("--serial", default="", help="schemes also run request by request against mlx-lm's own cache")
+    ap.add_argument("--out", help="default: benchmarks/results/serving.json")
     args = ap.parse_args(argv)
-    schemes = [MLX_LM] + args.schemes.split(",")
-    shape = WIDE if args.wide else {}
-    model = build_model("llama", **shape)
-    reqs = requests(args.requests)
+    schemes = [MLX_LM] + [s for s in args.schemes.split(",") if s]
+    model, reqs, described = load(args)
     run(model, MLX_LM, reqs[:2])  # warm up
     samples = {s: [] for s in schemes}
     reference = None
@@ -142,7 +216,8 @@ def main(argv=None):
                 reference = res["tokens"]
             samples[s].append(res)
             print(
-                f"repeat {r} {s:22} {res['tokens_per_s']:8.1f} tok/s  {res['peak_bytes_per_row'] / 2**20:7.2f} MiB/row"
+                f"repeat {r} {s:22} {res['tokens_per_s']:8.1f} tok/s  {res['peak_bytes_per_row'] / 2**20:7.2f} MiB/row",
+                flush=True,
             )
     # bf16 rows, eager or compiled, must give mlx-lm's tokens
     same = {s: samples[s][0]["tokens"] == reference for s in schemes if s.removesuffix(COMPILED) == "bf16"}
@@ -185,16 +260,16 @@ def main(argv=None):
             f"{t['storage_ratio']['median']:8.3f} {t['layout_ratio']['median']:7.3f} "
             f"{t['prompt_s']['median']:9.1f} {t['decode_s']['median']:8.1f}"
         )
-    write_result(
-        "serving",
-        {
-            "model": {"arch": "llama", **shape},
-            "requests": [(len(p), n) for p, n in reqs],
-            "repeats": args.repeats,
-            "tokens_equal_mlx_lm": same,
-            "results": table,
-        },
-    )
+    serial = serial_table(model, reqs, [s for s in args.serial.split(",") if s], args.repeats)
+    result = {
+        "model": described,
+        "requests": [(len(p), n) for p, n in reqs],
+        "repeats": args.repeats,
+        "tokens_equal_mlx_lm": same,
+        "results": table,
+        "serial": serial,
+    }
+    print(write_result("serving", result, args.out))
 
 
 if __name__ == "__main__":
