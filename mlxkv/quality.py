@@ -522,8 +522,7 @@ def query_anisotropy(queries: mx.array, filters: mx.array | None = None) -> dict
 
     - ``energy_share``: ``s1² / Σ sᵢ²``, the leading component's share of the energy;
     - ``mean_ratio``: ``|mean(Q v1)|`` over the mean of ``|mean(Q vⱼ)|``, j ≥ 2 (the drift along
-      the leading direction against the other components'); ``max_ratio``: over the largest
-      of them instead (the stricter reading);
+      the leading direction against the other components');
     - ``positive``: ``mean(Q f) > 0`` for the filter ``f`` of each head (``filters`` [H, D];
       not given: ``v1`` signed by ``sgn(1ᵀu1)``, positive by construction);
     - ``mean_projection``: ``mean(Q f)``.
@@ -531,24 +530,17 @@ def query_anisotropy(queries: mx.array, filters: mx.array | None = None) -> dict
     Numpy arrays of length H."""
     x = np.asarray(queries.astype(mx.float32))
     H, N, D = x.shape
-    energy, ratio, top, pos, proj = (np.zeros(H) for _ in range(5))
+    energy, ratio, pos, proj = (np.zeros(H) for _ in range(4))
     for h in range(H):  # one SVD per head: [N, D] with N in the thousands, D <= 256
         _, s, vt = np.linalg.svd(x[h], full_matrices=False)
         means = x[h] @ vt.T  # [N, D]: projections on every right singular vector
         m = means.mean(axis=0)
         energy[h] = s[0] ** 2 / np.sum(s**2)
         ratio[h] = abs(m[0]) / np.mean(np.abs(m[1:]))
-        top[h] = abs(m[0]) / np.max(np.abs(m[1:]))
         f = vt[0] * (1.0 if m[0] >= 0 else -1.0) if filters is None else np.asarray(filters[h], np.float64)
         proj[h] = float((x[h] @ f).mean())
         pos[h] = proj[h] > 0
-    return {
-        "energy_share": energy,
-        "mean_ratio": ratio,
-        "max_ratio": top,
-        "positive": pos.astype(bool),
-        "mean_projection": proj,
-    }
+    return {"energy_share": energy, "mean_ratio": ratio, "positive": pos.astype(bool), "mean_projection": proj}
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:

@@ -184,8 +184,7 @@ def test_query_anisotropy_finds_a_planted_drift():
     direction[np.arange(H), [2, 5, 9]] = 1.0
     q = rng.normal(size=(H, N, D)) + 6.0 * direction[:, None, :]
     out = query_anisotropy(mx.array(q.astype(np.float32)))
-    assert out["positive"].all() and (out["mean_ratio"] > 10).all() and (out["max_ratio"] > 3).all()
-    assert (out["max_ratio"] <= out["mean_ratio"]).all()
+    assert out["positive"].all() and (out["mean_ratio"] > 10).all()
     assert ((out["energy_share"] > 0.6) & (out["energy_share"] < 1.0)).all()
     assert np.allclose(out["mean_projection"], 6.0, atol=0.3)
     flipped = query_anisotropy(mx.array(q.astype(np.float32)), mx.array(-direction.astype(np.float32)))

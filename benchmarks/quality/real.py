@@ -179,7 +179,7 @@ def qfilters_study(model, tokenizer, name, directory, settings, evaluation, log)
     model(mx.array(heldout), cache=caches)
     mx.eval([c.state for c in caches])
     full = full_attention_layers(model)
-    energy, ratio, top, pos_head, pos_kv, spearman = [], [], [], [], [], {}
+    energy, ratio, pos_head, pos_kv, spearman = [], [], [], [], {}
     per_layer = []
     for i, q in enumerate(q_acts):
         if q is None:
@@ -189,7 +189,6 @@ def qfilters_study(model, tokenizer, name, directory, settings, evaluation, log)
         shared = query_anisotropy(q, kv_filters)
         energy += own["energy_share"].tolist()
         ratio += own["mean_ratio"].tolist()
-        top += own["max_ratio"].tolist()
         pos_head += own["positive"].tolist()
         pos_kv += shared["positive"].tolist()
         layer = {
@@ -197,7 +196,6 @@ def qfilters_study(model, tokenizer, name, directory, settings, evaluation, log)
             "full_attention": i in full,
             "energy_share": own["energy_share"].tolist(),
             "mean_ratio": own["mean_ratio"].tolist(),
-            "max_ratio": own["max_ratio"].tolist(),
             "positive_own_filter": own["positive"].tolist(),
             "positive_kv_filter": shared["positive"].tolist(),
         }
@@ -229,7 +227,6 @@ def qfilters_study(model, tokenizer, name, directory, settings, evaluation, log)
             "positive_share_kv_filter": float(np.mean(pos_kv)),
             "energy_share": _spread(energy),
             "mean_ratio": _spread(ratio),
-            "max_ratio": _spread(top),
             "spearman": {
                 k: {**_spread(v), "positive_share": float(np.mean(np.asarray(v) > 0))} for k, v in spearman.items()
             },
@@ -245,13 +242,23 @@ def qfilters_study(model, tokenizer, name, directory, settings, evaluation, log)
 
 
 def grid_candidates(settings, calibration) -> list:
-    """The grid as candidates, the reference first and TurboQuant last (its rows depend on how
-    TurboQuant reads through mlx-lm's attention; the run records the commit)."""
+    """The grid as candidates, the reference first, then in tiers so that a run cut short has
+    measured every family: the middle setting of each (4-bit kv, turbo-k4v4, the middle
+    budget), then the other bit settings and the smallest budget, then the largest budget."""
     from .__main__ import grid
 
     cases = grid(kv_bits=settings.kv_bits, pairs=settings.turbo_pairs, budgets=settings.budgets)
-    order = {"bf16": 0, "turbo": 2}
-    cases.sort(key=lambda c: order.get(c.family, 1))  # stable: budgets, then kv, in grid order
+    budgets = sorted(settings.budgets)
+    middle = budgets[len(budgets) // 2]
+
+    def tier(c) -> int:
+        if c.family == "bf16":
+            return 0
+        if c.setting in ("4-bit", "k4v4") or c.budget == middle:
+            return 1
+        return 3 if c.budget is not None and c.budget == budgets[-1] else 2
+
+    cases.sort(key=tier)  # stable: grid order within a tier
     return [c.candidate(calibration) for c in cases]
 
 
