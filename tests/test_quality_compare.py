@@ -217,21 +217,3 @@ def test_attention_rank_correlation_ranks_the_attended_keys():
 @pytest.mark.parametrize("arch, want", [("llama", [0, 1, 2, 3]), ("gemma3", [1, 3]), ("hybrid", [1, 3])])
 def test_full_attention_layers(arch, want):
     assert full_attention_layers(build_model(arch)) == want
-
-
-def test_the_real_grid_measures_every_family_first():
-    """benchmarks.quality --model: the reference, then one setting of every family, so a run
-    cut short has measured each; the pass-key part keeps the quantizers it names and the
-    budgets that evict at its length."""
-    from benchmarks.quality import real
-
-    settings = real.RealSettings()
-    cands = real.grid_candidates(settings, None)
-    families = ["bf16", "kv", "turbo", "tova", "qfilters-calibrated", "qfilters-fallback", "window"]
-    assert [c.tags["family"] for c in cands[:7]] == families
-    assert len(cands) == 1 + len(settings.kv_bits) + len(settings.turbo_pairs) + 4 * len(settings.budgets)
-    assert all(c.tags["budget"] == max(settings.budgets) for c in cands[-4:])
-    chosen = real.passkey_candidates(cands, settings, 480)
-    assert chosen[0].label == "bf16:bf16"
-    assert {c.tags["budget"] for c in chosen if c.tags["budget"]} == {64, 256}
-    assert {c.scheme for c in chosen if c.tags["budget"] is None} - {"bf16"} == set(settings.passkey_quantizers)
