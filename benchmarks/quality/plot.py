@@ -48,6 +48,18 @@ def _rows(table, context):
     return [r for r in table["rows"] if r["context"] == context]
 
 
+def _family_lines(ax, rows, x: str, metric: str):
+    """One line per scheme family: ``metric`` against ``x`` (KL's 0 lifted onto a log axis)."""
+    for family, (color, marker) in STYLE.items():
+        pts = sorted((r[x], r[metric]) for r in rows if r["family"] == family)
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        if metric == "kl":
+            ys = [max(y, 1e-6) for y in ys]  # bf16's 0 on a log axis
+        ax.plot(xs, ys, color=color, marker=marker, ms=8 if family == "bf16" else 5, lw=1.4, label=LABEL[family])
+
+
 def plot_metric(table: dict, metric: str, path: str) -> str:
     import matplotlib
 
@@ -58,14 +70,7 @@ def plot_metric(table: dict, metric: str, path: str) -> str:
     rows = _rows(table, context)
     ylabel, logy = METRICS[metric]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    for family, (color, marker) in STYLE.items():
-        pts = sorted((r["bytes_per_token"], r[metric]) for r in rows if r["family"] == family)
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        if metric == "kl":
-            ys = [max(y, 1e-6) for y in ys]  # bf16's 0 on a log axis
-        ax.plot(xs, ys, color=color, marker=marker, ms=8 if family == "bf16" else 5, lw=1.4, label=LABEL[family])
+    _family_lines(ax, rows, "bytes_per_token", metric)
     if metric == "recall":
         chance = table["chance"]["recall"]
         ax.axhline(chance, color="k", ls=":", lw=1)
@@ -144,14 +149,7 @@ def plot_real_metric(table: dict, metric: str, path: str, text: int = 0) -> str:
     rows = [r for r in table["rows"] if r["context"] == context and r["text"] == text]
     ylabel, logy = REAL_METRICS[metric]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    for family, (color, marker) in STYLE.items():
-        pts = sorted((r["bf16_held_bytes_per_token"], r[metric]) for r in rows if r["family"] == family)
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        if metric == "kl":
-            ys = [max(y, 1e-5) for y in ys]  # bf16's 0 on a log axis
-        ax.plot(xs, ys, color=color, marker=marker, ms=8 if family == "bf16" else 5, lw=1.4, label=LABEL[family])
+    _family_lines(ax, rows, "bf16_held_bytes_per_token", metric)
     ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
