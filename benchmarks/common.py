@@ -49,7 +49,8 @@ def blas() -> str:
     reference BLAS of MLX's Linux CPU wheel (docs/models.md has the figures)."""
     preload = os.environ.get("LD_PRELOAD", "")
     if OPENBLAS in preload:
-        return f"OpenBLAS (LD_PRELOAD={preload})"
+        threads = os.environ.get("OPENBLAS_NUM_THREADS")
+        return f"OpenBLAS (LD_PRELOAD={preload}{f', OPENBLAS_NUM_THREADS={threads}' if threads else ''})"
     return "MLX's own (Linux CPU wheel: reference BLAS)" if platform.system() == "Linux" else "MLX's own"
 
 

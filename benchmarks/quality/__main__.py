@@ -32,11 +32,10 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-import mlxkv
 from benchmarks.common import RESULTS, write_result
 from mlxkv.models import toy
 from mlxkv.models.toy import data
-from mlxkv.quality import held_bytes, marginal_bytes, prefill_logprobs, text_scores
+from mlxkv.quality import Candidate, held_bytes, marginal_bytes, prefill_logprobs, text_scores
 
 OUT = RESULTS / "quality.json"
 
@@ -57,12 +56,19 @@ class Case:
     setting: str
     budget: int | None = None
 
-    def caches(self, model, calibration=None) -> list:
+    def candidate(self, calibration=None) -> Candidate:
+        """The case as ``mlxkv.quality.Candidate`` (labelled ``family:setting``)."""
+        options = {}
         if self.family == "window":
-            return mlxkv.make_cache(model, "bf16", max_kv_size=self.budget)
-        if self.family == "qfilters-calibrated":
-            return mlxkv.make_cache(model, self.scheme, qfilters_calibration=calibration)
-        return mlxkv.make_cache(model, self.scheme)
+            options = {"max_kv_size": self.budget}
+        elif self.family == "qfilters-calibrated":
+            options = {"qfilters_calibration": calibration}
+        scheme = "bf16" if self.family == "window" else self.scheme
+        tags = {"family": self.family, "setting": self.setting, "budget": self.budget}
+        return Candidate(f"{self.family}:{self.setting}", scheme, options, tags)
+
+    def caches(self, model, calibration=None) -> list:
+        return self.candidate(calibration).caches(model)
 
 
 def qfilters_scheme(budget: int) -> str:
@@ -70,8 +76,11 @@ def qfilters_scheme(budget: int) -> str:
     return f"qfilters-b{budget}-s{SINKS}-r{budget // 4}"
 
 
-def grid(reduced: bool = False) -> list[Case]:
-    kv_bits, pairs, budgets = ((4, 8), ((8, 3),), (64,)) if reduced else (KV_BITS, TURBO_PAIRS, BUDGETS)
+def grid(reduced: bool = False, kv_bits=KV_BITS, pairs=TURBO_PAIRS, budgets=BUDGETS) -> list[Case]:
+    """bf16 first (the reference), then each family over its settings; budgets in the order
+    given, the four budgeted families side by side at each."""
+    if reduced:
+        kv_bits, pairs, budgets = (4, 8), ((8, 3),), (64,)
     cases = [Case("bf16", "bf16", "bf16")]
     cases += [Case("kv", f"kv{b}", f"{b}-bit") for b in kv_bits]
     cases += [Case("turbo", f"turbo-k{k}v{v}", f"k{k}v{v}") for k, v in pairs]
@@ -216,6 +225,10 @@ def run(
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a real model (smollm2-135m, gemma3-270m): benchmarks/quality/real.py's run")
+    ap.add_argument("--dtype", help="--model's weights (default float32; the JSON records the BLAS)")
+    ap.add_argument("--parts", nargs="+", help="--model: some of qfilters text0 passkey text1 (default: all)")
+    ap.add_argument("--resume", action="store_true", help="--model: keep the rows the output file holds")
     ap.add_argument("--reduced", action="store_true", help="the reduced CI grid")
     ap.add_argument("--contexts", type=int, nargs="+")
     ap.add_argument("--chunk", type=int)
@@ -225,6 +238,13 @@ def main(argv=None):
     ap.add_argument("--out", help=f"default: {OUT.name}, or quality-reduced.json with --reduced (beside it)")
     ap.add_argument("--plot", metavar="DIR", help="also write PNG plots there (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.model:
+        from benchmarks.quality import real
+
+        overrides = {"dtype": args.dtype, "chunk": args.chunk}
+        if args.contexts:
+            overrides["contexts"] = tuple(args.contexts)
+        return real.main(args.model, overrides, args.out, tuple(args.parts or real.PARTS), args.resume)
     settings = REDUCED if args.reduced else Settings()
     overrides = {
         "contexts": tuple(args.contexts) if args.contexts else None,
