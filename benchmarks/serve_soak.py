@@ -163,14 +163,16 @@ class Disk:
             return 0
         chunk = b"\0" * (1 << 20)
         written = 0
-        with open(self.filler, "wb") as f:
-            try:
+        # unbuffered, and ENOSPC taken wherever it comes: a buffered file raises it again as
+        # it closes (flushing what the full file system refused), and a file system the
+        # store's own writes filled refuses the open itself
+        try:
+            with open(self.filler, "wb", buffering=0) as f:
                 while True:
                     written += f.write(chunk)
-                    f.flush()
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
         return written
 
     def free(self) -> None:
