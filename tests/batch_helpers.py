@@ -18,3 +18,15 @@ def drive(gen, prompts, max_tokens, make, join_at):
                 caches[r.uid] = r.prompt_cache
     gen.close()
     return [toks[u] for u in uids], [lps[u] for u in uids], [caches[u] for u in uids]
+
+
+def tokens_at_once(gen, prompts, max_tokens, make):
+    """Every prompt starts at once with ``max_tokens`` each; ``make()`` gives a row's caches.
+    Returns each row's tokens, in prompt order."""
+    uids = gen.insert(prompts, [max_tokens] * len(prompts), caches=[make() for _ in prompts])
+    out = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[u] for u in uids]

@@ -8,6 +8,7 @@ import warnings
 
 import mlx_lm
 import pytest
+from batch_helpers import tokens_at_once
 from mlx_lm.generate import BatchGenerator
 from real_models import GEMMA3, SMOLLM2, chat_prompt, loaded
 
@@ -38,13 +39,7 @@ def generated(model, tokenizer, prompt, codes, compiled=False):
 
 def batched(model, rows, codes):
     gen = BatchGenerator(model, completion_batch_size=len(rows))
-    uids = gen.insert(rows, [8] * len(rows), caches=[caches(model, codes) for _ in rows])
-    out = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(r.token)
-    gen.close()
-    return [out[u] for u in uids]
+    return tokens_at_once(gen, rows, 8, lambda: caches(model, codes))
 
 
 @pytest.mark.parametrize("name", [SMOLLM2, GEMMA3])

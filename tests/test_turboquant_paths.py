@@ -9,6 +9,7 @@ import warnings
 import mlx.core as mx
 import mlx_lm
 import pytest
+from batch_helpers import tokens_at_once
 from mlx_lm.generate import BatchGenerator, batch_generate
 from serve_helpers import Running, openai_client, words
 
@@ -52,13 +53,7 @@ def test_generate_and_stream_generate_attend_the_codes(float32_llama, codes_read
 
 def batch_tokens(model, codes, compiled=False):
     gen = BatchGenerator(mlxkv.compiled_model(model) if compiled else model, completion_batch_size=4)
-    uids = gen.insert(PROMPTS, [10] * len(PROMPTS), caches=[caches(model, codes) for _ in PROMPTS])
-    out = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(r.token)
-    gen.close()
-    return [out[u] for u in uids]
+    return tokens_at_once(gen, PROMPTS, 10, lambda: caches(model, codes))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
