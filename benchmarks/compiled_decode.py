@@ -18,8 +18,15 @@ dominate). ``--model NAME`` runs a fetched real model instead (``--dtype``; its 
 text through its chat template; ``--schemes``, default bf16 and turbo-k8v3). The machine's
 load is not controlled: read the ranges.
 
+``--split`` also times, in the same rounds, the model's matrix products alone: every
+``nn.Linear`` (and a tied embedding's output product) applied to a ``[B, 1, in]`` input, all
+in one graph evaluated per step, as the eager step runs them. Their share of the eager step
+bounds what compiling can save: ``mx.compile`` fuses the elementwise work between the
+products and removes per-operation dispatch, it does not make a product faster, so compiled
+/ eager is at most 1 / (matmul share).
+
 Usage: python -m benchmarks.compiled_decode [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
-       --batch-sizes 1,4,8 --only-batched] [--model smollm2-135m --dtype float32]
+       --batch-sizes 1,4,8 --only-batched] [--model smollm2-135m --dtype float32 --split]
 """
 
 import argparse
@@ -28,10 +35,11 @@ import time
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 
 import mlxkv
 from benchmarks.chat import text_tokens
-from benchmarks.common import ratios, timed, write_result
+from benchmarks.common import ratios, summary, timed, write_result
 from mlxkv.models.seeded import build_model, prompt
 
 SCHEMES = [
@@ -94,7 +102,26 @@ def batch_prefilled(model, scheme, options, tokens, B):
     return batch, mx.concatenate([y for _, y in rows[:B]], axis=0)
 
 
-def compare(model, scheme, options, tokens, rounds, steps, B=None):
+def matrix_products(model, B):
+    """A function doing one step's matrix products of ``model`` alone, for ``B`` rows: every
+    ``nn.Linear``, and the tied embedding's output product when no Linear produces the
+    vocabulary, each on a ``[B, 1, in]`` input, evaluated together."""
+    modules = [m for _, m in model.named_modules()]
+    linears = [m for m in modules if isinstance(m, nn.Linear)]
+    outs = {m.weight.shape[0] for m in linears}
+    tied = [m for m in modules if isinstance(m, nn.Embedding) and m.weight.shape[0] not in outs]
+    products = [(m, m.weight.shape[1]) for m in linears] + [(m.as_linear, m.weight.shape[1]) for m in tied]
+    dtype = linears[0].weight.dtype
+    inputs = {n: mx.random.normal((B, 1, n)).astype(dtype) for n in {n for _, n in products}}
+    mx.eval(inputs)
+
+    def step():
+        mx.eval([f(inputs[n]) for f, n in products])
+
+    return step
+
+
+def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
     if B is None:
         eager_caches, ye = prefilled(model, scheme, options, tokens)
         comp_caches, yc = prefilled(model, scheme, options, tokens)
@@ -105,13 +132,18 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None):
     eager = lambda y, c: model(y, cache=c)
     warm_eager, ye = decode(eager, eager_caches, ye, 2)
     warm_comp, yc = decode(decoder, comp_caches, yc, 2)  # the first trace and kernel builds
-    te, tc = [], []
+    products = matrix_products(model, B or 1) if split else None
+    te, tc, share = [], [], []
     for _ in range(rounds):
         t, ye = decode(eager, eager_caches, ye, steps)
         te.append(steps * (B or 1) / t)
+        if products is not None:  # the products alone, right after the eager steps they are part of
+            tm, _ = timed(lambda: [products() for _ in range(steps)])
+            share.append(tm / t)
         t, yc = decode(decoder, comp_caches, yc, steps)
         tc.append(steps * (B or 1) / t)
     ratio = ratios(tc, te)
+    split_row = {"matmul_share_of_eager_step": summary(share)} if share else {}
     return {
         "scheme": label(scheme, options),
         "eager_tok_s": statistics.median(te),
@@ -123,14 +155,19 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None):
         "eager_steps": decoder.eager_steps,
         "context_end": int(mx.array(comp_caches[-1].offset).max().item()),
         "same_tokens": mx.array_equal(ye, yc).item(),
+        **split_row,
     }
 
 
-def run(models, rounds, steps, B=None):
+def run(models, rounds, steps, B=None, split=False):
     out = []
     for name, model, tokens, schemes in models:
         for scheme, options in schemes:
-            row = {"model": name, "prompt": len(tokens), **compare(model, scheme, options, tokens, rounds, steps, B)}
+            row = {
+                "model": name,
+                "prompt": len(tokens),
+                **compare(model, scheme, options, tokens, rounds, steps, B, split),
+            }
             if B is not None:
                 row["batch"] = B
             out.append(row)
@@ -138,7 +175,12 @@ def run(models, rounds, steps, B=None):
                 f"{name:>7} {'' if B is None else f'B={B} '}{row['scheme']:<28} "
                 f"eager {row['eager_tok_s']:7.1f} tok/s  compiled "
                 f"{row['compiled_tok_s']:7.1f} tok/s  x{row['ratio']:.2f} "
-                f"[{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}]  traces {row['traces']}",
+                f"[{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}]  traces {row['traces']}"
+                + (
+                    "  matmul share {median:.2f} [{min:.2f}-{max:.2f}]".format(**row["matmul_share_of_eager_step"])
+                    if split
+                    else ""
+                ),
                 flush=True,
             )
     return out
@@ -155,6 +197,7 @@ def main(argv=None):
     ap.add_argument("--model", help="a fetched real model (mlxkv.models.fetch) instead of the seeded ones")
     ap.add_argument("--dtype", default="float32", help="with --model: the weights' dtype")
     ap.add_argument("--schemes", default="bf16,turbo-k8v3", help="with --model: the schemes")
+    ap.add_argument("--split", action="store_true", help="also time the matrix products alone (their share)")
     ap.add_argument("--out", help="default: benchmarks/results/compiled_decode.json")
     a = ap.parse_args(argv)
 
@@ -179,11 +222,11 @@ def main(argv=None):
         "model": {"name": a.model, "dtype": a.dtype} if a.model else {"seeded": True, "large_config": LARGE},
         "rounds": a.rounds,
         "steps_per_round": a.steps,
-        "rows": [] if a.only_batched else run(models, a.rounds, a.steps),
+        "rows": [] if a.only_batched else run(models, a.rounds, a.steps, split=a.split),
         "batched_rows": [],
     }
     for B in [int(b) for b in a.batch_sizes.split(",") if b]:
-        res["batched_rows"] += run(batched, a.rounds, a.steps, B)
+        res["batched_rows"] += run(batched, a.rounds, a.steps, B, a.split)
     res["seconds"] = time.perf_counter() - t0
     out = write_result("compiled_decode", res, a.out)
     print(f"\n{res['seconds']:.0f} s; written {out} (the machine's load is not controlled: see the ranges)")
