@@ -5,7 +5,9 @@ measured.
 
 The server is the ``mlxkv serve`` command (a process of its own) on the seeded llama
 (``mlxkv.models.seeded``: small, so a thousand requests fit in minutes), with a RAM cap
-(``--prompt-cache-bytes``), ``--store`` on a tmpfs of its own (mounted here; where mount is
+(``--prompt-cache-bytes``), ``--store`` capped as an operator caps it (``--store-disk-bytes``:
+the directory's index lives in memory, about 3 KiB an entry, so an uncapped directory's
+index grows with the run) on a tmpfs of its own (mounted here; where mount is
 not permitted, a plain directory, and the disk-full phase is skipped and says so) and
 ``--redis`` on a private ``redis-server``. Every request is distinct: one of four shared
 system prompts (longer than a store block, so Redis and the disk have prefixes to serve)
@@ -184,7 +186,7 @@ class Disk:
             subprocess.run(["umount", self.mount], capture_output=True)
 
 
-def start_server(model_dir: str, disk: Disk, redis: RedisServer, cap: str, clients: int, log: str):
+def start_server(model_dir: str, disk: Disk, redis: RedisServer, cap: str, disk_cap: str, clients: int, log: str):
     cmd = [
         sys.executable,
         "-m",
@@ -196,6 +198,8 @@ def start_server(model_dir: str, disk: Disk, redis: RedisServer, cap: str, clien
         SCHEME,
         "--store",
         disk.directory,
+        "--store-disk-bytes",
+        disk_cap,
         "--redis",
         redis.url,
         "--prompt-cache-bytes",
@@ -240,7 +244,7 @@ def run_soak(args) -> dict:
     try:
         redis = RedisServer()
         log = os.path.join(root, "server.log")
-        proc, port = start_server(model_dir, disk, redis, args.cache_bytes, args.clients, log)
+        proc, port = start_server(model_dir, disk, redis, args.cache_bytes, args.disk_bytes, args.clients, log)
         seconds = args.minutes * 60
         answers: list[Answer] = []
         rss: list[tuple[float, int, int]] = []  # (seconds since the start, bytes, requests done)
@@ -320,6 +324,7 @@ def run_soak(args) -> dict:
             "clients": args.clients,
             "max_tokens": args.max_tokens,
             "prompt_cache_bytes": args.cache_bytes,
+            "store_disk_bytes": args.disk_bytes,
             "disk": f"tmpfs of {args.disk_mib} MiB" if disk.mounted else f"a plain directory ({disk.why_not})",
             "scheme": SCHEME,
             "model": "seeded llama (mlxkv.models.seeded)",
@@ -466,6 +471,11 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates (default: 16)")
     p.add_argument("--cache-bytes", default="16MB", help="--prompt-cache-bytes of the server (default: 16MB)")
     p.add_argument(
+        "--disk-bytes",
+        default="256MB",
+        help="--store-disk-bytes of the server, the cap an operator gives the directory (default: 256MB)",
+    )
+    p.add_argument(
         "--disk-mib",
         type=int,
         default=2048,
@@ -475,7 +485,7 @@ def main(argv=None):
     p.add_argument("--out", help="result file (default: benchmarks/results/serve_soak.json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.minutes, args.clients, args.max_tokens, args.disk_mib = 0.12, 2, 4, 32
+        args.minutes, args.clients, args.max_tokens, args.disk_mib, args.disk_bytes = 0.12, 2, 4, 32, "16MB"
     result = run_soak(args)
     path = write_result("serve_soak", result, args.out)
     shown = {k: v for k, v in result.items() if k not in ("rss_over_time",)}

@@ -441,6 +441,22 @@ def test_flush_reports_durable_only_what_the_disk_cap_kept(models, tmp_path):
     assert {tuple(t) for _, t in report.evicted} == {tuple(t) for t in entries} - on_disk
 
 
+def test_flush_counts_durable_only_what_the_disk_cap_kept_past_the_log_bound(models, tmp_path):
+    """Eight entries into a directory capped at two, with a write log of two records: the
+    entries that left the log as durable and were evicted later count as evicted, so the
+    flush counts as durable exactly the files that are there (a server's log is always
+    past its bound: it never flushes)."""
+    model = models("llama")
+    with _open(model, tmp_path, disk_cap=2 * (40 * PER_TOKEN + 4096), log_limit=2) as s:
+        for seed in range(8):
+            _put(s, model, prompt(40, seed=seed))
+        report = s.flush()
+        files = len(_files(s))
+    assert files == 2
+    assert len(report.durable) + report.unlisted["durable"] == 2
+    assert len(report.evicted) + report.unlisted["evicted"] == 6
+
+
 def test_a_store_never_flushed_keeps_no_entry_alive_beyond_its_cap(models, tmp_path):
     """The server never flushes: after many puts, the only entries alive are the ones in RAM
     (and a write in flight), and the write log lists at most log_limit of them; a flush

@@ -232,6 +232,9 @@ def main(argv=None):
     ap.add_argument("--reduced", action="store_true", help="the reduced CI grid")
     ap.add_argument("--contexts", type=int, nargs="+")
     ap.add_argument("--chunk", type=int)
+    ap.add_argument("--kv-bits", type=int, nargs="+", help="--model: the kv schemes' bits (default: 2 4 8)")
+    ap.add_argument("--turbo-pairs", nargs="+", metavar="K,V", help="--model: TurboQuant pairs (2,2 4,2 4,4)")
+    ap.add_argument("--budgets", type=int, nargs="+", help="--model: eviction budgets (default: 64 256 1024)")
     ap.add_argument("--n-text", type=int)
     ap.add_argument("--n-recall", type=int)
     ap.add_argument("--jobs", type=int, default=1, help="processes to split the grid over")
@@ -244,6 +247,12 @@ def main(argv=None):
         overrides = {"dtype": args.dtype, "chunk": args.chunk}
         if args.contexts:
             overrides["contexts"] = tuple(args.contexts)
+        if args.kv_bits:
+            overrides["kv_bits"] = tuple(args.kv_bits)
+        if args.turbo_pairs:
+            overrides["turbo_pairs"] = tuple(tuple(int(b) for b in p.split(",")) for p in args.turbo_pairs)
+        if args.budgets:
+            overrides["budgets"] = tuple(args.budgets)
         return real.main(args.model, overrides, args.out, tuple(args.parts or real.PARTS), args.resume)
     settings = REDUCED if args.reduced else Settings()
     overrides = {

@@ -5,7 +5,9 @@ entries would keep every array alive until a flush, and a server never flushes),
 one :class:`Outcome` per lower tier. The log holds at most ``limit`` records: past that, the
 oldest settled ones leave the lists and are only counted (``FlushReport.unlisted``), so a
 store that is never flushed stays bounded, and a flush still says how many entries ended
-each way.
+each way. An unlisted durable entry keeps its key until the flush: the disk may still evict
+it (its cap) or drop it (a covering entry), and the count must say so. Those keys are
+bounded by the files the directory holds, as its index is.
 """
 
 import enum
@@ -66,12 +68,14 @@ class WriteLog:
         self.limit = int(limit)
         self._records: OrderedDict[str, WriteRecord] = OrderedDict()  # entry key -> record
         self._unlisted: Counter = Counter()
+        self._unlisted_durable: set[str] = set()  # keys of shed records that were on disk
 
     def __len__(self):
         return len(self._records)
 
     def start(self, key: str, ns: str, tokens: list, serial: int, tiers) -> WriteRecord:
         record = WriteRecord(ns, array("I", tokens), serial, dict.fromkeys(tiers, Outcome.QUEUED))
+        self._unlisted_durable.discard(key)  # this put's record says what becomes of the file
         self._records.pop(key, None)
         self._records[key] = record
         if len(self._records) > self.limit:
@@ -95,12 +99,19 @@ class WriteLog:
         r = self._records.get(key)
         if r is not None and r.outcomes.get(tier) is Outcome.WRITTEN:
             r.outcomes[tier] = outcome
+        elif r is None and self.tiers.get(tier) and key in self._unlisted_durable:
+            self._unlisted_durable.discard(key)
+            self._unlisted[outcome.value] += 1
 
     def _shed(self) -> None:
         for key in [k for k, r in self._records.items() if r.settled]:
             if len(self._records) <= self.limit:
                 break
-            self._unlisted.update(self._kinds(self._records.pop(key)))
+            kinds = self._kinds(self._records.pop(key))
+            if "durable" in kinds:
+                kinds.remove("durable")
+                self._unlisted_durable.add(key)
+            self._unlisted.update(kinds)
 
     def _kinds(self, r: WriteRecord) -> list[str]:
         """The report lists a record belongs to."""
@@ -124,7 +135,8 @@ class WriteLog:
 
     def report(self) -> FlushReport:
         """The report of every record, and a fresh log (records still queued stay)."""
-        report = FlushReport(unlisted=self._unlisted)
+        self._unlisted["durable"] += len(self._unlisted_durable)
+        report = FlushReport(unlisted=+self._unlisted)
         kept = OrderedDict()
         for key, r in self._records.items():
             if not r.settled:
@@ -136,5 +148,5 @@ class WriteLog:
                     report.failed.append((*item, "; ".join(r.messages.values()) or "not written"))
                 else:
                     getattr(report, kind).append(item)
-        self._records, self._unlisted = kept, Counter()
+        self._records, self._unlisted, self._unlisted_durable = kept, Counter(), set()
         return report
