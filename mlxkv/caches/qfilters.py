@@ -27,6 +27,7 @@ from ..errors import CacheConfigError
 from ..families import Scheme
 from ..math.qfilters import freeze_due, key_svd_filter, projection_scores, qfilters_survivors, thaw_due
 from ..math.selection import gather_rows
+from . import names
 from .base import row_bytes
 from .eviction import EvictionKVCache, check_budget
 
@@ -53,7 +54,7 @@ class QFiltersKVCache(EvictionKVCache):
     score. ``recent`` trailing rows and ``n_sink`` leading rows are never evicted.
     """
 
-    kind_prefix = "kv:qfilters:"
+    kind_prefix = names.QFILTERS_KIND_PREFIX
 
     def __init__(
         self,
@@ -174,9 +175,6 @@ class QFiltersKVCache(EvictionKVCache):
     def __repr__(self):
         source = "calibrated" if self.calibrated else ("frozen" if self.frozen else "warming up")
         return f"QFiltersKVCache(kind={self.kind!r}, offset={self.offset}, rows={self.rows}, filter={source})"
-
-
-QFILTERS_SCHEME = r"qfilters-b(?P<budget>\d+)-s(?P<sink>\d+)-r(?P<recent>\d+)"
 
 
 def _layer_filters(options: dict, layer: int):

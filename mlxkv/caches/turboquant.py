@@ -32,7 +32,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheConfigError, MLXKVError
 from ..families import Scheme
 from ..math import turboquant as tq
-from . import codes_window
+from . import codes_window, names
 from .base import CacheContract, DenseKeysAndValues, DtypeAttribute
 from .plain import KVCache
 from .reads import AttentionRead
@@ -74,7 +74,7 @@ class CodesRead:
 
 
 class TurboQuantKVCache(DenseKeysAndValues, CacheContract, mlx_cache._BaseCache):
-    kind_prefix = "kv:turboquant:"
+    kind_prefix = names.TURBO_KIND_PREFIX
     step = 256
     dtype = DtypeAttribute()  # the dtype dense_window decodes to (the last append's)
 
@@ -319,6 +319,3 @@ def turbo_scheme(m, opts):
 
     policy = {"turboQuant": {"kBits": k_bits, "vBits": v_bits}, "quantizedKvStart": start}
     return Scheme(f"turbo-k{k_bits}v{v_bits}-start{start}", build, True, policy=policy)  # deferred, codes: reads
-
-
-TURBO_SCHEME = r"turbo-k(?P<k>\d+)v(?P<v>\d+)(?:-start(?P<start>\d+))?"
