@@ -309,6 +309,8 @@ def turbo_scheme(m, opts):
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 
     def build(i, o):
+        if o.get("head_dim") is not None:  # the model's, from make_cache: refused before any cache is built
+            tq.check_head_dim(o["head_dim"])
         deferred, codes = bool(o.get("deferred", True)), bool(o.get("codes", True))
         pending = PendingConversion(
             f"turbo-k{k_bits}v{v_bits}",
