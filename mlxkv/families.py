@@ -100,6 +100,9 @@ class Scheme:
     #: positions they keep, how they encode them), by name, with the values in force (defaults
     #: too); options that only change how a cache is read are not here
     held: dict = field(default_factory=dict)
+    #: the ``make_cache`` options the family reads, by name; any other is refused
+    #: (``caches.schemes.parse_scheme``) before a cache is built
+    options: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

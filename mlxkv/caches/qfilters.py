@@ -193,6 +193,10 @@ def _layer_filters(options: dict, layer: int):
     return filters[layer]
 
 
+#: the make_cache options a Q-Filters scheme reads
+OPTIONS = ("qfilters_calibration", "filters", "sign", "calib_tokens")
+
+
 def qfilters_scheme(m, options):
     """``qfilters-b<budget>-s<nSink>-r<recent>``; options ``qfilters_calibration=`` (a
     ``QFiltersCalibration``) or ``filters=`` (per-layer [H_kv, D]), ``sign=``, ``calib_tokens=``."""
@@ -213,7 +217,9 @@ def qfilters_scheme(m, options):
             head_dim=o.get("head_dim"),
         )
 
-    return Scheme(f"qfilters-b{budget}-s{n_sink}-r{recent}", build, False, held=_held(options, sign, calib))
+    return Scheme(
+        f"qfilters-b{budget}-s{n_sink}-r{recent}", build, False, held=_held(options, sign, calib), options=OPTIONS
+    )
 
 
 def _held(options: dict, sign, calib) -> dict:

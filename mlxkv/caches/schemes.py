@@ -36,12 +36,24 @@ SCHEME_EXAMPLES = (
 
 
 def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
-    """The scheme named ``scheme``, parsed by the family whose pattern matches it."""
+    """The scheme named ``scheme``, parsed by the family whose pattern matches it. An option
+    the family does not read (``Scheme.options``) is refused by name, before any cache is
+    built: a misspelt option would otherwise change nothing, silently."""
     for family in scheme_families():
         pattern, parse = family.scheme
         m = re.fullmatch(pattern, scheme) if isinstance(scheme, str) else None
         if m:
-            return parse(m, options or {})
+            parsed = parse(m, options or {})
+            unknown = sorted(set(options or {}) - set(parsed.options))
+            if unknown:
+                got = ", ".join(map(repr, unknown))
+                takes = (
+                    f"its options are {', '.join(parsed.options)} (and make_cache's max_kv_size)"
+                    if parsed.options
+                    else "it takes no option but make_cache's max_kv_size"
+                )
+                raise SchemeError(f"scheme {scheme!r}: unknown option {got}; {takes}")
+            return parsed
     raise SchemeError(
         f"unknown cache scheme {scheme!r}; schemes look like {', '.join(SCHEME_EXAMPLES)} (`mlxkv schemes` lists them)"
     )

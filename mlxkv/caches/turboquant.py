@@ -320,4 +320,5 @@ def turbo_scheme(m, opts):
         return Bf16FirstCache(pending)
 
     policy = {"turboQuant": {"kBits": k_bits, "vBits": v_bits}, "quantizedKvStart": start}
-    return Scheme(f"turbo-k{k_bits}v{v_bits}-start{start}", build, True, policy=policy)  # deferred, codes: reads
+    name = f"turbo-k{k_bits}v{v_bits}-start{start}"
+    return Scheme(name, build, True, policy=policy, options=("deferred", "codes"))  # reads, not what is held
