@@ -158,7 +158,6 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
     """
     from mlx_lm.models import cache as mlx_cache
 
-    from . import kv_bits  # noqa: F401 - mlx-lm's kv_bits refused when generation starts
     from .arrays import ArraysCache
     from .base import CacheContract
     from .masks import ForwardMasks
