@@ -16,6 +16,7 @@ An unknown kind is a bug, not a route: every lookup raises
 :class:`~mlxkv.errors.UnknownKindError` naming the kind.
 """
 
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Mapping
@@ -99,6 +100,28 @@ class Scheme:
     #: positions they keep, how they encode them), by name, with the values in force (defaults
     #: too); options that only change how a cache is read are not here
     held: dict = field(default_factory=dict)
+    #: the ``make_cache`` options the family reads, by name; any other is refused
+    #: (``caches.schemes.parse_scheme``) before a cache is built
+    options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A function named by ``"module:name"``, imported at its first call. mlxkv's own records
+    name their live parts so (row formats, decode steps, scheme parsers): those modules
+    import the live cache classes, and with them mlx-lm, which a header read, a verification
+    or ``mlxkv schemes`` never needs; the first cache built imports them."""
+
+    target: str
+
+    def __call__(self, *args, **kwargs):
+        return _resolved(self.target)(*args, **kwargs)
+
+
+@functools.cache
+def _resolved(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 _FAMILIES: list[Family] = []
@@ -107,9 +130,10 @@ BUILTIN_RECORDS = "mlxkv.kinds.records"
 
 
 def _table() -> list[Family]:
-    """The registered families, mlxkv's own among them: their records name classes of every
-    layer (and mlx-lm's), so they are imported on the first lookup of the table, not by
-    ``import mlxkv``."""
+    """The registered families, mlxkv's own among them: their records are imported on the
+    first lookup of the table, not by ``import mlxkv``. They import the codecs and the live
+    families' names only (``Deferred`` names the rest), so reading the table imports no
+    live cache and nothing of mlx-lm."""
     if BUILTIN_RECORDS not in sys.modules:
         importlib.import_module(BUILTIN_RECORDS)
     return _FAMILIES

@@ -322,8 +322,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=tuple(FORMATS), default="mlxkv")
     args = p.parse_args(argv)
-    # imported before any fork, so children share them (``import mlxkv`` alone is light: the
-    # caches, their kind records and the formats come on first use)
+    # imported before any fork, so children share them (``import mlxkv`` alone is light, and so
+    # are the formats and the kind records: the live caches, and mlx-lm with them, come when a
+    # cache is first built; a child that imported them itself would spend its seconds on it)
+    import mlxkv.caches.masks  # noqa: F401
+    import mlxkv.caches.plain  # noqa: F401
+    import mlxkv.caches.transition  # noqa: F401
     import mlxkv.formats.table  # noqa: F401
     import mlxkv.kinds.records  # noqa: F401
 

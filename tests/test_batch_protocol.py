@@ -342,3 +342,32 @@ def test_a_batch_shows_keys_and_values_as_mlx_lms_batch_cache_does(models):
         assert (len(shown) == 3) if scheme != "bf16" else isinstance(shown, mx.array)
         y = mx.array([[3], [4]])
         assert mx.array_equal(model(y, cache=batch), model(y, cache=twin)), scheme
+
+
+def test_recurrent_rows_merged_empty_give_mlx_lms_mask_and_join_any_batch():
+    """mlx-lm's own test_arrays_cache_extend_with_empty on mlxkv's recurrent rows: rows merged
+    before they hold state carry mlx-lm's zero left padding (an all-True ``[B, N]`` mask, not
+    None) into every batch they join, and a serial row joins a batch as mlx-lm's does."""
+    from mlx_lm.models import cache as mlx_cache
+
+    def row(state):
+        c = mlxkv.ArraysCache(2)
+        if state:
+            c[0], c[1] = mx.zeros((1, 4, 8)), mx.zeros((1, 4))
+        return c
+
+    for cls in (mlx_cache.ArraysCache, mlxkv.ArraysCache):  # mlx-lm's, then mlxkv's: the same answers
+        make = (lambda s: mlx_cache.ArraysCache(2) if not s else row(True)) if cls is mlx_cache.ArraysCache else row
+        empty = cls.merge([make(False), make(False)])
+        content = cls.merge([make(True), make(True)])
+        content.extend(empty)
+        assert content[0].shape == (4, 4, 8) and content[1].shape == (4, 4)
+        assert content.make_mask(10).shape == (4, 10) and content.make_mask(10).all().item()
+        empty = cls.merge([make(False), make(False)])
+        empty.extend(cls.merge([make(True), make(True)]))
+        assert empty[0].shape == (4, 4, 8)
+        stepwise = cls.merge([make(True)])
+        stepwise.extend(make(False))
+        stepwise.extend(cls.merge([make(False), make(False)]))
+        assert stepwise[0].shape == (4, 4, 8) and stepwise[1].shape == (4, 4)
+    assert mlxkv.merge_rows([row(True)]).make_mask(3) is None  # rows with state: no mask, as mlx-lm's

@@ -3,6 +3,7 @@ store keys its entries on. Spellings of one scheme give one form; an option that
 what the caches keep gives another; and caches of one form hold the same bytes after the
 same prompt, where caches of different forms here do not."""
 
+import re
 import warnings
 
 import mlx.core as mx
@@ -90,3 +91,28 @@ def test_options_make_cache_refuses_are_refused():
         canonical_scheme("bf16", max_kv_size=4)
     with pytest.raises(SchemeError, match="unknown cache scheme"):
         canonical_scheme("bf17")
+
+
+@pytest.mark.parametrize(
+    "scheme, options, valid",
+    [
+        ("bf16", {"codes": False}, "it takes no option but make_cache's max_kv_size"),
+        ("kv4-start16", {"calib_tokens": 8}, "it takes no option"),
+        ("turbo-k8v3", {"code": False}, "its options are deferred, codes"),
+        (
+            "qfilters-b16-s2-r4",
+            {"sign": -1, "calib_token": 8},
+            "its options are qfilters_calibration, filters, sign, calib_tokens",
+        ),
+    ],
+)
+def test_an_unknown_option_is_refused_by_name_before_any_cache_is_built(scheme, options, valid):
+    class Model:  # make_cache would read its layers; a refusal never gets that far
+        def make_cache(self):
+            raise AssertionError("the model's layers were read before the options were checked")
+
+    bad = next(k for k in options if k not in ("sign",))
+    with pytest.raises(SchemeError, match=rf"unknown option '{bad}'; {re.escape(valid)}"):
+        make_cache(Model(), scheme, **options)
+    with pytest.raises(SchemeError, match=rf"unknown option '{bad}'"):
+        canonical_scheme(scheme, **options)

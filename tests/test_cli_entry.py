@@ -1,11 +1,15 @@
 """The ``mlxkv`` command as users type it, each in a fresh process: ``python -m mlxkv``,
 ``--version``, ``--help`` (the public commands only), ``serve --help`` (every default),
-``schemes``, and ``import mlxkv`` without mlx-lm."""
+``schemes``, ``import mlxkv`` without mlx-lm, and ``inspect``/``verify``/``schemes``/
+``--help``/``--version`` without mlx-lm or transformers."""
 
+import glob
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 import mlxkv
 
@@ -63,3 +67,45 @@ def test_import_mlxkv_imports_neither_mlx_lm_nor_transformers():
     r = run("-c", code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["[]", "kv:plain"]
+
+
+#: the fixtures each light command runs on: mlxkv snapshots of several families and an
+#: mlx-bun file (the container, the translation and every codec's header check)
+LIGHT_FIXTURES = (
+    "fixtures/valid/kv-llama.safetensors",
+    "fixtures/valid/ssm-hybrid.safetensors",
+    "fixtures/valid/turboquant-k4v3-llama.safetensors",
+    "fixtures/valid/qfilters-b6-s2-r2-llama.safetensors",
+    "fixtures/valid/rotating-gemma3.safetensors",
+    "fixtures/valid/converted-kv4-start4-hybrid.safetensors",
+)
+#: the command's main in a fresh process, then which of mlx-lm and transformers it imported
+IMPORTED = (
+    "import sys\n"
+    "from mlxkv.cli import main\n"
+    "try:\n"
+    "    code = main(sys.argv[1:])\n"
+    "except SystemExit as e:\n"
+    "    code = e.code\n"
+    "print('imported:', sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules))\n"
+    "sys.exit(code)\n"
+)
+
+
+def light_commands():
+    yield ["--version"]
+    yield ["--help"]
+    yield ["schemes"]
+    for path in (*LIGHT_FIXTURES, *sorted(glob.glob("fixtures/mlx-bun/*.mlxkv", root_dir=ROOT))[:2]):
+        yield ["inspect", path]
+        yield ["verify", path]
+
+
+@pytest.mark.parametrize("argv", list(light_commands()), ids=" ".join)
+def test_header_commands_import_neither_mlx_lm_nor_transformers(argv):
+    """inspect, verify, schemes, --help and --version read the kind table (codecs, kinds,
+    scheme patterns) and never import a live cache class, so neither mlx-lm nor transformers
+    (about 2 s of CPU at startup)."""
+    r = run("-c", IMPORTED, *argv)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "imported: []", r.stdout[-400:]

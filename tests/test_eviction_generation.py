@@ -26,11 +26,16 @@ def layer0_keys(model, tokens):
     return attn.rope(k)  # offset 0: token i at position i
 
 
+def calibration(scheme: str, tokens: int) -> dict:
+    """Q-Filters' calibration length (an option TOVA does not take, which make_cache refuses)."""
+    return {"calib_tokens": tokens} if scheme.startswith("qfilters-") else {}
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "hybrid"])
 @pytest.mark.parametrize("scheme", ["tova-b24-s2", "qfilters-b24-s2-r6", "qfilters-calibrated"])
 def test_generate_step_runs_with_eviction_caches(arch, scheme):
     model = build_model(arch)
-    options = {"calib_tokens": 16}  # the fallback freezes inside the prompt
+    options = calibration(scheme, 16)  # the fallback freezes inside the prompt
     if scheme == "qfilters-calibrated":
         scheme, options = (
             "qfilters-b24-s2-r6",
@@ -58,7 +63,7 @@ def test_below_the_budget_generation_equals_a_plain_cache(scheme):
 def test_512_prefill_plus_200_decode_at_budget_64_has_zero_position_drift(scheme):
     model = build_model("llama")
     toks = prompt(512, 6)
-    caches = mlxkv.make_cache(model, scheme, calib_tokens=128)
+    caches = mlxkv.make_cache(model, scheme, **calibration(scheme, 128))
     out = generate(model, caches, toks, 200, prefill_step_size=96)
     seen = toks + out  # generate_step has fed the prompt and every yielded token
     assert all(c.offset == len(seen) == 712 and c.rows == 64 for c in caches)
@@ -85,7 +90,7 @@ def test_mlx_lm_generate_and_stream_generate_run_with_eviction_caches(scheme):
     from mlxkv.models.seeded import tokenizer
 
     model, tok = build_model("gemma3"), tokenizer()
-    caches = mlxkv.make_cache(model, scheme, calib_tokens=16)
+    caches = mlxkv.make_cache(model, scheme, **calibration(scheme, 16))
     text = mlx_lm.generate(model, tok, prompt(40, 4), max_tokens=8, prompt_cache=caches)
     assert text.startswith("<")
     evicting = [c for c in caches if mlxkv.is_eviction_cache(c)]

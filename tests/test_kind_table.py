@@ -271,3 +271,20 @@ def test_the_codec_declares_what_it_writes(persisted, models):
     if codec.bun is not None:  # mlx-bun's form names the codec's own fields and slots
         assert set(codec.bun.fields(codec)) | set(codec.bun.implied) == set(codec.fields)
         assert codec.bun.slots is None or not codec.slots  # a bun form names slots only where the codec does not
+
+
+def test_every_deferred_part_of_the_records_names_a_function_of_a_lower_layer():
+    """The records name their live parts as ``Deferred("module:name")`` (reading the table
+    imports no live cache): each names a function that exists, in the live caches' or the
+    batched layouts' layer, below the records."""
+    from mlxkv.families import Deferred, _resolved, row_merge
+    from mlxkv.kinds import records
+
+    deferred = [row_merge()]
+    for family in records.FAMILIES:
+        deferred += [family.rows, family.decode_step, family.batched_decode_step]
+        deferred += [family.scheme[1]] if family.scheme is not None else []
+    assert all(isinstance(d, Deferred) for d in deferred)
+    for d in deferred:
+        assert d.target.split(":")[0].startswith(("mlxkv.caches.", "mlxkv.batched.")), d.target
+        assert callable(_resolved(d.target)), d.target

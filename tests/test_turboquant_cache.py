@@ -482,3 +482,21 @@ def test_compiled_step_attends_as_the_eager_read_bit_for_bit(kb, vb, codes):
         k, v = b.update_and_fetch(k1, v1)
         assert mx.array_equal(out, attend(q, k, v, b, b.make_mask(1)))
         assert a.offset == b.offset and stored_equal(a.state, b.state)
+
+
+def test_a_head_dim_without_sign_tables_is_refused_by_mlxkv_before_and_in_a_batch(models):
+    """A model whose head dim TurboQuant has no sign tables for (16 here): make_cache refuses
+    it at once, and rows built without the model's geometry, joined into a batch before their
+    start, are refused with the same CacheConfigError at the batch's first step (MLX's reshape
+    error before), saying what to use instead."""
+    model = models("llama", head_dim=16)
+    for scheme in ("turbo-k4v2-start256", "turbo-k8v3"):
+        with pytest.raises(mlxkv.CacheConfigError, match=r"head_dim in .*got 16: use an affine scheme"):
+            mlxkv.make_cache(model, scheme)
+    from mlxkv.caches.schemes import parse_scheme
+
+    parsed = parse_scheme("turbo-k4v2-start256")
+    rows = [[parsed.build(i, {}) for i in range(len(model.layers))] for _ in range(2)]
+    batch = mlxkv.merge_model_rows(rows)
+    with pytest.raises(mlxkv.CacheConfigError, match=r"got 16: use an affine scheme"):
+        mx.eval(model(mx.array([[1, 2, 3], [4, 5, 6]]), cache=batch))

@@ -78,6 +78,10 @@ class BatchedArraysCache(RowOffsets, CacheContract, mlx_cache.ArraysCache):
 
     # -- row surgery ----------------------------------------------------------------------
     def extend_rows(self, other: "BatchedArraysCache"):
+        """Join ``other``'s rows: a batch of the same state arrays, or one serial row (mlx-lm's
+        ``ArraysCache`` is its own batch, so mlx-lm's code extends a batch with one)."""
+        if isinstance(other, ArraysCache):
+            other = merge_arrays_rows([other])
         if not isinstance(other, BatchedArraysCache) or len(other.cache) != len(self.cache):
             raise CacheConfigError(
                 f"cannot join {getattr(other, 'kind', type(other).__name__)} rows into a "
@@ -128,6 +132,10 @@ def arrays_rows(row) -> ArraysRows:
 
 
 def merge_arrays_rows(rows) -> BatchedArraysCache:
+    """The batch of ``rows``. Rows that all hold no state yet get mlx-lm's ``left_padding`` of
+    zeros (its ``ArraysCache.merge`` does the same): ``make_mask`` then gives mlx-lm's all-True
+    ``[B, N]`` mask until ``finalize``, ``extend`` carries it into the joined batch, and a
+    batch with state gets it once such rows join it."""
     arrays = []
     for entry in zip(*(r.cache for r in rows)):
         ref = next((a for a in entry if a is not None), None)
@@ -138,4 +146,7 @@ def merge_arrays_rows(rows) -> BatchedArraysCache:
         arrays.append(mx.concatenate([zero if a is None else a for a in entry], axis=0))
     offsets = [int(r.offset) for r in rows]
     min_reuse = [int(getattr(r, "minimum_reusable_offset", 0)) for r in rows]
-    return BatchedArraysCache(arrays, offsets, min_reuse, rows[0].masks)
+    batch = BatchedArraysCache(arrays, offsets, min_reuse, rows[0].masks)
+    if all(a is None for a in arrays):
+        batch.left_padding = mx.zeros((len(rows),), mx.int32)
+    return batch

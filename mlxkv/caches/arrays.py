@@ -6,11 +6,12 @@
 
 from mlx_lm.models import cache as mlx_cache
 
+from . import names
 from .base import CacheContract
 
 
 class ArraysCache(CacheContract, mlx_cache.ArraysCache):
-    kind = "ssm"
+    kind = names.RECURRENT_KIND
 
     def __init__(self, size: int, left_padding=None):
         super().__init__(size, left_padding)

@@ -4,6 +4,7 @@ import mlx.core as mx
 
 from ..errors import SchemeError
 from ..families import row_merge
+from . import kv_bits  # noqa: F401 - mlx-lm's kv_bits refused when generation starts, for every mlxkv cache
 from .masks import ForwardMasks
 from .reads import NamedReads
 

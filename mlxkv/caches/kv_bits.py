@@ -4,15 +4,14 @@
 ``mlx_lm.generate.maybe_quantize_kv_cache``, which swaps each cache at ``offset >=
 quantized_kv_start`` (5000 by default) for mlx-lm's own kind-less ``QuantizedKVCache``. An
 mlxkv cache refuses the swap (``CacheContract.to_quantized``); this module wraps mlx-lm's
-function once, when it is imported, so the refusal comes at the first call, before any token
+function once, when it is imported (``caches/base.py`` imports it, so before any mlxkv
+cache exists), so the refusal comes at the first call, before any token
 is generated, instead of thousands of tokens in. Calls without ``kv_bits`` or without mlxkv
 caches reach mlx-lm's function unchanged.
 """
 
 import functools
 import importlib
-
-from .base import CacheContract
 
 # the module (``mlx_lm.generate`` the attribute is mlx-lm's function of that name)
 mlx_generate = importlib.import_module("mlx_lm.generate")
@@ -23,8 +22,8 @@ def _refusing(original):
     def maybe_quantize_kv_cache(prompt_cache, quantized_kv_start, kv_group_size, kv_bits):
         if kv_bits is not None:
             for c in prompt_cache:
-                if isinstance(c, CacheContract):
-                    c.to_quantized(group_size=kv_group_size, bits=kv_bits)  # raises SchemeError
+                if isinstance(getattr(c, "kind", None), str):  # an mlxkv cache (mlx-lm's declare no kind)
+                    c.to_quantized(group_size=kv_group_size, bits=kv_bits)  # CacheContract's: raises SchemeError
         return original(prompt_cache, quantized_kv_start, kv_group_size, kv_bits)
 
     maybe_quantize_kv_cache.refuses_mlxkv_caches = True

@@ -4,12 +4,13 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..families import Scheme
+from . import names
 from .base import CacheContract, row_bytes
 from .rotating import RotatingKVCache
 
 
 class KVCache(CacheContract, mlx_cache.KVCache):
-    kind = "kv:plain"
+    kind = names.PLAIN_KIND
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
         return self.masks.causal(N, self.offset, window_size, return_array)
@@ -40,9 +41,6 @@ class KVCache(CacheContract, mlx_cache.KVCache):
 
         self.keys, self.values, self.offset = grow(keys), grow(values), offset
         return self
-
-
-PLAIN_SCHEME = r"bf16|fp16|plain"
 
 
 def plain_scheme(m, options) -> Scheme:

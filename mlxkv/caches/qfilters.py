@@ -27,6 +27,7 @@ from ..errors import CacheConfigError
 from ..families import Scheme
 from ..math.qfilters import freeze_due, key_svd_filter, projection_scores, qfilters_survivors, thaw_due
 from ..math.selection import gather_rows
+from . import names
 from .base import row_bytes
 from .eviction import EvictionKVCache, check_budget
 
@@ -53,7 +54,7 @@ class QFiltersKVCache(EvictionKVCache):
     score. ``recent`` trailing rows and ``n_sink`` leading rows are never evicted.
     """
 
-    kind_prefix = "kv:qfilters:"
+    kind_prefix = names.QFILTERS_KIND_PREFIX
 
     def __init__(
         self,
@@ -176,9 +177,6 @@ class QFiltersKVCache(EvictionKVCache):
         return f"QFiltersKVCache(kind={self.kind!r}, offset={self.offset}, rows={self.rows}, filter={source})"
 
 
-QFILTERS_SCHEME = r"qfilters-b(?P<budget>\d+)-s(?P<sink>\d+)-r(?P<recent>\d+)"
-
-
 def _layer_filters(options: dict, layer: int):
     """The calibrated filter of ``layer`` from ``qfilters_calibration=`` or ``filters=``."""
     cal = options.get("qfilters_calibration")
@@ -193,6 +191,10 @@ def _layer_filters(options: dict, layer: int):
             "given): it was made for another model; recalibrate or load it with model=..."
         )
     return filters[layer]
+
+
+#: the make_cache options a Q-Filters scheme reads
+OPTIONS = ("qfilters_calibration", "filters", "sign", "calib_tokens")
 
 
 def qfilters_scheme(m, options):
@@ -215,7 +217,9 @@ def qfilters_scheme(m, options):
             head_dim=o.get("head_dim"),
         )
 
-    return Scheme(f"qfilters-b{budget}-s{n_sink}-r{recent}", build, False, held=_held(options, sign, calib))
+    return Scheme(
+        f"qfilters-b{budget}-s{n_sink}-r{recent}", build, False, held=_held(options, sign, calib), options=OPTIONS
+    )
 
 
 def _held(options: dict, sign, calib) -> dict:

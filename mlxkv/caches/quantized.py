@@ -9,13 +9,14 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..families import Scheme
 from ..math.affine import check_affine
+from . import names
 from .base import CacheContract, row_bytes
 from .rotating import RotatingQuantizedKVCache
 from .transition import Bf16FirstCache, PendingConversion
 
 
 class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
-    kind_prefix = "kv:quant:"
+    kind_prefix = names.AFFINE_KIND_PREFIX
 
     def __init__(self, group_size: int = 64, bits: int = 8):
         check_affine(bits, group_size)
@@ -63,9 +64,6 @@ class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
     def adopt(self, keys: tuple, values: tuple, offset: int):
         self.keys, self.values, self.offset = tuple(keys), tuple(values), offset
         return self
-
-
-AFFINE_SCHEME = r"kv(?P<bits>\d+)(?:-g(?P<group>\d+))?(?:-start(?P<start>\d+))?"
 
 
 def affine_scheme(m, options) -> Scheme:

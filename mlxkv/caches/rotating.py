@@ -14,6 +14,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from ..errors import CacheConfigError
 from ..math.affine import check_affine
+from . import names
 from .base import CacheContract, row_bytes
 
 
@@ -211,13 +212,13 @@ def _map2(fn, a, b):
 
 
 class RotatingKVCache(_Ring):
-    kind = "kv:rotating-plain"
+    kind = names.RING_KIND
 
 
 class RotatingQuantizedKVCache(_Ring):
     """A ring of mlx-lm affine triples; ``bits`` is real (mlx-lm's quantized SDPA reads it)."""
 
-    kind_prefix = "kv:rotating-quant:"
+    kind_prefix = names.AFFINE_RING_KIND_PREFIX
 
     def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8):
         check_affine(bits, group_size)

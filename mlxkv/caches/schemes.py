@@ -4,22 +4,18 @@ The model's own ``make_cache`` (when it has one; its caches mlx-lm's or mlxkv's)
 each layer needs: full-attention layers get the scheme's cache, sliding-window layers (rings)
 stay rotating-plain, recurrent layers stay arrays. A scheme string is parsed by the family
 (``mlxkv.families``) whose scheme pattern matches it.
+
+Parsing a scheme, its canonical form, ``mlxkv schemes`` and what a model says of its layers
+import no live cache: ``make_cache`` imports the cache classes (and mlx-lm with them) when
+it builds caches, so the kind table's header-level users stay light.
 """
 
 import re
 import warnings
 
-from mlx_lm.models import cache as mlx_cache
-
 from ..checks import is_int
 from ..errors import SchemeError
 from ..families import Scheme, scheme_families
-from . import kv_bits  # noqa: F401 - mlx-lm's kv_bits refused when generation starts
-from .arrays import ArraysCache
-from .base import CacheContract
-from .masks import ForwardMasks
-from .rotating import RotatingKVCache
-from .transition import Bf16FirstCache, PendingConversion
 
 RING_KEEP = 4  # the first positions a max_kv_size ring keeps (mlx-lm's choice)
 #: mlx-lm's generate options that quantize caches; an mlxkv scheme says the same
@@ -40,12 +36,24 @@ SCHEME_EXAMPLES = (
 
 
 def parse_scheme(scheme: str, options: dict | None = None) -> Scheme:
-    """The scheme named ``scheme``, parsed by the family whose pattern matches it."""
+    """The scheme named ``scheme``, parsed by the family whose pattern matches it. An option
+    the family does not read (``Scheme.options``) is refused by name, before any cache is
+    built: a misspelt option would otherwise change nothing, silently."""
     for family in scheme_families():
         pattern, parse = family.scheme
         m = re.fullmatch(pattern, scheme) if isinstance(scheme, str) else None
         if m:
-            return parse(m, options or {})
+            parsed = parse(m, options or {})
+            unknown = sorted(set(options or {}) - set(parsed.options))
+            if unknown:
+                got = ", ".join(map(repr, unknown))
+                takes = (
+                    f"its options are {', '.join(parsed.options)} (and make_cache's max_kv_size)"
+                    if parsed.options
+                    else "it takes no option but make_cache's max_kv_size"
+                )
+                raise SchemeError(f"scheme {scheme!r}: unknown option {got}; {takes}")
+            return parsed
     raise SchemeError(
         f"unknown cache scheme {scheme!r}; schemes look like {', '.join(SCHEME_EXAMPLES)} (`mlxkv schemes` lists them)"
     )
@@ -64,9 +72,12 @@ def scheme_grammar() -> list[tuple[str, str]]:
     return out
 
 
-def scheme_for_pending(pending: dict, options: dict | None = None) -> PendingConversion:
+def scheme_for_pending(pending: dict, options: dict | None = None):
     """Rebuild a pending conversion from its snapshot entry ``{"scheme", "start"}`` (with
-    ``make_cache`` options such as TurboQuant's ``codes``; the read is not stored)."""
+    ``make_cache`` options such as TurboQuant's ``codes``; the read is not stored): the
+    ``PendingConversion`` of the scheme's bf16-first cache."""
+    from .transition import Bf16FirstCache
+
     start = int(pending["start"])
     parsed = parse_scheme(f"{pending['scheme']}-start{start}", options)
     cache = parsed.build(0, options or {})
@@ -145,6 +156,13 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
     ``max_kv_size`` turns full-attention layers into rings of that size keeping the first
     4 positions (mlx-lm's choice), rotating-quantized under an affine scheme.
     """
+    from mlx_lm.models import cache as mlx_cache
+
+    from .arrays import ArraysCache
+    from .base import CacheContract
+    from .masks import ForwardMasks
+    from .rotating import RotatingKVCache
+
     mlx_lm_quantization = sorted(set(options) & set(MLX_LM_QUANTIZATION))
     if mlx_lm_quantization:
         bits, group = options.get("kv_bits", 4), options.get("kv_group_size", 64)

@@ -13,6 +13,7 @@ import mlx.core as mx
 from ..errors import CacheConfigError
 from ..families import Scheme
 from ..math.tova import tova_evict
+from . import names
 from .eviction import EvictionKVCache, check_budget
 
 
@@ -20,7 +21,7 @@ class TOVAKVCache(EvictionKVCache):
     """TOVA-adapted (key-as-query proxy): at most ``budget`` rows after every step, the first
     ``n_sink`` rows never evicted. Memoryless: the cache holds no score."""
 
-    kind_prefix = "kv:tova:"
+    kind_prefix = names.TOVA_KIND_PREFIX
 
     def __init__(self, budget: int = 512, n_sink: int = 4):
         check_budget(budget, n_sink, "TOVA")
@@ -53,6 +54,3 @@ def tova_scheme(m, options):
     budget, n_sink = int(m["budget"]), int(m["sink"])
     TOVAKVCache(budget, n_sink)  # validate now, not at the first layer
     return Scheme(f"tova-b{budget}-s{n_sink}", lambda i, o: TOVAKVCache(budget, n_sink), False)
-
-
-TOVA_SCHEME = r"tova-b(?P<budget>\d+)-s(?P<sink>\d+)"

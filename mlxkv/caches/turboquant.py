@@ -32,7 +32,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheConfigError, MLXKVError
 from ..families import Scheme
 from ..math import turboquant as tq
-from . import codes_window
+from . import codes_window, names
 from .base import CacheContract, DenseKeysAndValues, DtypeAttribute
 from .plain import KVCache
 from .reads import AttentionRead
@@ -74,7 +74,7 @@ class CodesRead:
 
 
 class TurboQuantKVCache(DenseKeysAndValues, CacheContract, mlx_cache._BaseCache):
-    kind_prefix = "kv:turboquant:"
+    kind_prefix = names.TURBO_KIND_PREFIX
     step = 256
     dtype = DtypeAttribute()  # the dtype dense_window decodes to (the last append's)
 
@@ -309,6 +309,8 @@ def turbo_scheme(m, opts):
     tq.check_bits(k_bits, v_bits)  # now, not at the conversion
 
     def build(i, o):
+        if o.get("head_dim") is not None:  # the model's, from make_cache: refused before any cache is built
+            tq.check_head_dim(o["head_dim"])
         deferred, codes = bool(o.get("deferred", True)), bool(o.get("codes", True))
         pending = PendingConversion(
             f"turbo-k{k_bits}v{v_bits}",
@@ -318,7 +320,5 @@ def turbo_scheme(m, opts):
         return Bf16FirstCache(pending)
 
     policy = {"turboQuant": {"kBits": k_bits, "vBits": v_bits}, "quantizedKvStart": start}
-    return Scheme(f"turbo-k{k_bits}v{v_bits}-start{start}", build, True, policy=policy)  # deferred, codes: reads
-
-
-TURBO_SCHEME = r"turbo-k(?P<k>\d+)v(?P<v>\d+)(?:-start(?P<start>\d+))?"
+    name = f"turbo-k{k_bits}v{v_bits}-start{start}"
+    return Scheme(name, build, True, policy=policy, options=("deferred", "codes"))  # reads, not what is held

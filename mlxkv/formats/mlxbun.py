@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..caches.transition import Bf16FirstCache
 from ..checks import INT32_MAX, is_count32, is_int
 from ..codecs.base import check_entry
 from ..errors import (
@@ -35,7 +34,7 @@ from ..families import families, family_of_kind, family_of_persisted, kind_of
 from ..io import mlxbun as container
 from ..io.safetensors import ITEMSIZE
 from ..io.tensor_reader import TensorReader, check_allocation
-from ..kinds.entries import decode_entries, encode_layer
+from ..kinds.entries import decode_entries, encode_layer, held_storage
 from ..state.checkpoint import describe as describe_checkpoint
 from ..state.checkpoint import normalized, read_checkpoint
 from ..state.identity import RECORDED_FIELDS, UNKNOWN, Identity, check_expected, check_for_model
@@ -311,15 +310,16 @@ def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
             persisted,
             f"mlx-bun has no codec for mlxkv's {persisted!r} caches ({kind}); it persists {', '.join(bun_codecs())}",
         )
-    if isinstance(cache, Bf16FirstCache) and cache.pending_conversion is not None:
+    pending = getattr(cache, "pending_conversion", None)
+    if pending is not None:
         _refuse_layer(
             i,
             persisted,
-            f"a bf16-first cache with a pending conversion {cache.pending_conversion}: "
+            f"a bf16-first cache with a pending conversion {pending}: "
             "mlx-bun files cannot record it (save after the conversion, or as mlxkv)",
         )
     _, fields, slots = encode_layer(i, cache, tokens)
-    cache = getattr(cache, "inner", cache)
+    cache = held_storage(cache)
     for name, value in form.implied.items():
         if fields[name] != value:
             _refuse_layer(

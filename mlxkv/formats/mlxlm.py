@@ -35,11 +35,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..caches.arrays import ArraysCache
-from ..caches.masks import ForwardMasks
-from ..caches.plain import KVCache
-from ..caches.quantized import QuantizedKVCache
-from ..caches.rotating import RotatingKVCache
 from ..checks import is_count, is_int_list
 from ..codecs.affine import SLOTS as AFFINE_SLOTS
 from ..errors import (
@@ -54,6 +49,7 @@ from ..families import kind_of
 from ..io.safetensors import SafetensorsFile, write_atomic
 from ..io.tensor_reader import TensorReader
 from ..kinds.entries import encode_entries
+from ..kinds.predicates import is_recurrent_cache
 from ..state.identity import UNKNOWN, Identity
 from .mlxkv_header import META_KEY, not_a_snapshot
 from .snapshot import Snapshot
@@ -137,7 +133,8 @@ def _parse_layout(path: str, meta: dict[str, str]):
 
 # -- per-class state paths ------------------------------------------------------------
 # Each converter lists the state paths (relative to the layer) it needs and which of them are
-# scalars, then builds the mlxkv cache from the values.
+# scalars, then builds the mlxkv cache from the values (importing its class there: writing an
+# mlx-lm file, or refusing one as a snapshot, imports no live cache and nothing of mlx-lm).
 
 
 def _slice(a, n):
@@ -145,6 +142,8 @@ def _slice(a, n):
 
 
 def _kv(v, ctx):
+    from ..caches.plain import KVCache
+
     keys, values, offset = v["0"], v["1"], v["2"]
     if keys is None or offset == 0:
         return KVCache()
@@ -154,6 +153,8 @@ def _kv(v, ctx):
 
 
 def _quantized(v, ctx):
+    from ..caches.quantized import QuantizedKVCache
+
     offset, group, bits = v["2"], v["3"], v["4"]
     try:
         cache = QuantizedKVCache(group_size=group, bits=bits)
@@ -169,6 +170,8 @@ def _quantized(v, ctx):
 
 
 def _rotating(v, ctx):
+    from ..caches.rotating import RotatingKVCache
+
     keys, values, offset, keep, max_size, idx = (v[str(j)] for j in range(6))
     try:
         cache = RotatingKVCache(max_size, keep)
@@ -190,6 +193,8 @@ def _rotating(v, ctx):
 
 
 def _arrays(v, ctx):
+    from ..caches.arrays import ArraysCache
+
     if v.get("1") is not None or v.get("2") is not None:
         raise SnapshotError(
             f"{ctx.where}: a batched ArraysCache (left_padding or lengths set) cannot be "
@@ -298,6 +303,8 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> P
             if f"{i}.{p}" not in scalars:
                 raise CorruptSnapshotError(f"{path}: layer {i} ({cls}) state entry {p} is not a scalar")
 
+    from ..caches.masks import ForwardMasks
+
     caches, masks, found_scalars = [], ForwardMasks(), {}
     arrays = TensorReader(file).read_all((name, None, None) for name in st.tensors)  # one pass over the file
     for i, cls in enumerate(classes):
@@ -319,7 +326,7 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> P
         cache.masks = masks
         caches.append(cache)
 
-    offsets = {c.offset for c in caches if not isinstance(c, ArraysCache)}
+    offsets = {c.offset for c in caches if not is_recurrent_cache(c)}
     if len(offsets) > 1:
         raise CorruptSnapshotError(f"{path}: the caches disagree on their offset ({sorted(offsets)})")
     offset = offsets.pop() if offsets else None
@@ -336,7 +343,7 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> P
     if tokens is not None and len(tokens) != offset:
         raise MissingTokensError(f"{path}: the caches cover {offset} positions but {len(tokens)} tokens were given")
     for c in caches:
-        if isinstance(c, ArraysCache):
+        if is_recurrent_cache(c):
             c.offset = offset
     return PromptCacheFile(caches, tokens, user, classes, offset, path, found_scalars)
 

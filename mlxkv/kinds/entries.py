@@ -5,14 +5,13 @@ prefix reuse share (docs/format.md section 7).
 writer makes: a known kind, a cache holding tokens, an offset that is ``len(tokens)``) and
 names each tensor ``caches.<i>.<slot>``; ``decode_entries`` rebuilds live caches from
 checked entries and their tensors, wrapping a pending bf16-first conversion, each cache with
-the reuse floor its entry records. Nothing here reads or writes a file.
+the reuse floor its entry records. Nothing here reads or writes a file, and nothing here
+imports a live cache until it decodes one (header checks and verification import this module).
 """
 
 import mlx.core as mx
 
-from ..caches.masks import ForwardMasks
 from ..caches.schemes import scheme_for_pending
-from ..caches.transition import Bf16FirstCache, conversion_due, conversion_floor
 from ..errors import EmptyCacheError, MLXKVError, SnapshotError
 from ..families import family_of_kind, family_of_persisted, kind_of
 from .predicates import is_recurrent_cache
@@ -37,8 +36,16 @@ def encode_layer(i: int, cache, tokens: list):
             f"layer {i} ({kind}) is at offset {cache.offset} but {len(tokens)} tokens were given: "
             "tokens must be the exact prefix the caches encode"
         )
-    fields, slots = family.codec.encode(cache.inner if isinstance(cache, Bf16FirstCache) else cache)
+    fields, slots = family.codec.encode(held_storage(cache))
     return family, fields, slots
+
+
+def held_storage(cache):
+    """The storage a cache encodes as: a bf16-first cache's held one (``Bf16FirstCache.inner``),
+    any other cache itself."""
+    from ..caches.transition import Bf16FirstCache
+
+    return cache.inner if isinstance(cache, Bf16FirstCache) else cache
 
 
 def encode_entries(caches, tokens) -> tuple[list, list]:
@@ -72,6 +79,9 @@ def decode_entries(header: dict, arrays: dict[str, mx.array], path: str = "", pr
     The caches hold the given arrays (or views of them) as they are; nothing is evaluated or
     copied. A rule on the stored values (eviction positions) that does not hold refuses the
     snapshot."""
+    from ..caches.masks import ForwardMasks
+    from ..caches.transition import Bf16FirstCache
+
     masks = ForwardMasks()
     where = f"{path}: " if path else ""
     caches = []
@@ -96,6 +106,8 @@ def restored_floor(entry: dict) -> int:
     """The reuse floor of the cache a checked entry restores to: its
     ``minimumReusableOffset``, raised by a pending conversion already due at its offset
     (the restored cache converts as it is built, ``Bf16FirstCache``)."""
+    from ..caches.transition import conversion_due, conversion_floor
+
     floor, pending = entry["minimumReusableOffset"], entry.get("pendingConversion")
     if pending is not None and conversion_due(pending["start"], entry["offset"]):
         floor = max(floor, conversion_floor(pending["start"], entry["offset"]))

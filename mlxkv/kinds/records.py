@@ -5,29 +5,15 @@ says it), its codec (which declares the persisted kind, the header fields and te
 of an entry and mlx-bun's form of it; docs/format.md lists them), its row layout, its
 compiled decode steps and its scheme parser. Adding a family is one live cache module, one
 codec module and one record here (or ``register_family`` from user code).
+
+A record imports the codecs and the live families' names (``caches/names.py``) only; the
+row formats, decode steps and scheme parsers, which import the live cache classes and mlx-lm
+with them, are named as :class:`~mlxkv.families.Deferred` functions, imported when the first
+cache is built, joined or compiled. So a header read, a verification and ``mlxkv schemes``
+read the whole table without importing mlx-lm.
 """
 
-from ..batched.arrays import arrays_rows
-from ..batched.formats import affine_ring_rows, affine_rows, plain_rows, ring_rows, turbo_rows
-from ..batched.qfilters import qfilters_rows
-from ..batched.rows import merge_rows
-from ..batched.step_builders import batched_attention_step, eviction_batch_step
-from ..batched.tova import tova_rows
-from ..caches.arrays import ArraysCache
-from ..caches.plain import PLAIN_SCHEME, KVCache, plain_scheme
-from ..caches.qfilters import QFILTERS_SCHEME, QFiltersKVCache, qfilters_scheme
-from ..caches.quantized import AFFINE_SCHEME, QuantizedKVCache, affine_scheme
-from ..caches.rotating import RotatingKVCache, RotatingQuantizedKVCache
-from ..caches.step_builders import (
-    affine_decode_step,
-    eviction_decode_step,
-    plain_decode_step,
-    recurrent_decode_step,
-    ring_decode_step,
-    turbo_decode_step,
-)
-from ..caches.tova import TOVA_SCHEME, TOVAKVCache, tova_scheme
-from ..caches.turboquant import TURBO_SCHEME, TurboQuantKVCache, turbo_scheme
+from ..caches import names
 from ..codecs.affine import AffineCodec, RotatingAffineCodec
 from ..codecs.arrays import ArraysCodec
 from ..codecs.plain import PlainCodec
@@ -35,71 +21,77 @@ from ..codecs.qfilters import QFiltersCodec
 from ..codecs.ring import RingCodec
 from ..codecs.tova import TOVACodec
 from ..codecs.turboquant import TurboQuantCodec
-from ..families import Family, register_family, register_row_merge
+from ..families import Deferred, Family, register_family, register_row_merge
+
+BATCHED_ATTENTION_STEP = Deferred("mlxkv.batched.step_builders:batched_attention_step")
+RING_DECODE_STEP = Deferred("mlxkv.caches.step_builders:ring_decode_step")
+EVICTION_DECODE_STEP = Deferred("mlxkv.caches.step_builders:eviction_decode_step")
+EVICTION_BATCH_STEP = Deferred("mlxkv.batched.step_builders:eviction_batch_step")
+RECURRENT_DECODE_STEP = Deferred("mlxkv.caches.step_builders:recurrent_decode_step")
 
 PLAIN = Family(
-    kind=KVCache.kind,
+    kind=names.PLAIN_KIND,
     codec=PlainCodec(),
-    rows=plain_rows,
-    decode_step=plain_decode_step,
-    batched_decode_step=batched_attention_step,
-    scheme=(PLAIN_SCHEME, plain_scheme),
+    rows=Deferred("mlxkv.batched.formats:plain_rows"),
+    decode_step=Deferred("mlxkv.caches.step_builders:plain_decode_step"),
+    batched_decode_step=BATCHED_ATTENTION_STEP,
+    scheme=(names.PLAIN_SCHEME, Deferred("mlxkv.caches.plain:plain_scheme")),
 )
 AFFINE = Family(
-    kind=QuantizedKVCache.kind_prefix,
+    kind=names.AFFINE_KIND_PREFIX,
     codec=AffineCodec(),
-    rows=affine_rows,
-    decode_step=affine_decode_step,
-    batched_decode_step=batched_attention_step,
-    scheme=(AFFINE_SCHEME, affine_scheme),
+    rows=Deferred("mlxkv.batched.formats:affine_rows"),
+    decode_step=Deferred("mlxkv.caches.step_builders:affine_decode_step"),
+    batched_decode_step=BATCHED_ATTENTION_STEP,
+    scheme=(names.AFFINE_SCHEME, Deferred("mlxkv.caches.quantized:affine_scheme")),
 )
 RING = Family(
-    kind=RotatingKVCache.kind,
+    kind=names.RING_KIND,
     codec=RingCodec(),
-    rows=ring_rows,
-    decode_step=ring_decode_step,
-    batched_decode_step=batched_attention_step,
+    rows=Deferred("mlxkv.batched.formats:ring_rows"),
+    decode_step=RING_DECODE_STEP,
+    batched_decode_step=BATCHED_ATTENTION_STEP,
 )
 AFFINE_RING = Family(
-    kind=RotatingQuantizedKVCache.kind_prefix,
+    kind=names.AFFINE_RING_KIND_PREFIX,
     codec=RotatingAffineCodec(),
-    rows=affine_ring_rows,
-    decode_step=ring_decode_step,
-    batched_decode_step=batched_attention_step,
+    rows=Deferred("mlxkv.batched.formats:affine_ring_rows"),
+    decode_step=RING_DECODE_STEP,
+    batched_decode_step=BATCHED_ATTENTION_STEP,
 )
 RECURRENT = Family(
-    kind=ArraysCache.kind,
+    kind=names.RECURRENT_KIND,
     codec=ArraysCodec(),
-    rows=arrays_rows,
-    decode_step=recurrent_decode_step,
-    batched_decode_step=recurrent_decode_step,
+    rows=Deferred("mlxkv.batched.arrays:arrays_rows"),
+    decode_step=RECURRENT_DECODE_STEP,
+    batched_decode_step=RECURRENT_DECODE_STEP,
 )
 TURBO = Family(
-    kind=TurboQuantKVCache.kind_prefix,
+    kind=names.TURBO_KIND_PREFIX,
     codec=TurboQuantCodec(),
-    rows=turbo_rows,
-    decode_step=turbo_decode_step,
-    batched_decode_step=batched_attention_step,
-    scheme=(TURBO_SCHEME, turbo_scheme),
+    rows=Deferred("mlxkv.batched.formats:turbo_rows"),
+    decode_step=Deferred("mlxkv.caches.step_builders:turbo_decode_step"),
+    batched_decode_step=BATCHED_ATTENTION_STEP,
+    scheme=(names.TURBO_SCHEME, Deferred("mlxkv.caches.turboquant:turbo_scheme")),
 )
 TOVA = Family(
-    kind=TOVAKVCache.kind_prefix,
+    kind=names.TOVA_KIND_PREFIX,
     codec=TOVACodec(),
-    rows=tova_rows,
-    decode_step=eviction_decode_step,
-    batched_decode_step=eviction_batch_step,
-    scheme=(TOVA_SCHEME, tova_scheme),
+    rows=Deferred("mlxkv.batched.tova:tova_rows"),
+    decode_step=EVICTION_DECODE_STEP,
+    batched_decode_step=EVICTION_BATCH_STEP,
+    scheme=(names.TOVA_SCHEME, Deferred("mlxkv.caches.tova:tova_scheme")),
 )
 QFILTERS = Family(
-    kind=QFiltersKVCache.kind_prefix,
+    kind=names.QFILTERS_KIND_PREFIX,
     codec=QFiltersCodec(),
-    rows=qfilters_rows,
-    decode_step=eviction_decode_step,
-    batched_decode_step=eviction_batch_step,
-    scheme=(QFILTERS_SCHEME, qfilters_scheme),
+    rows=Deferred("mlxkv.batched.qfilters:qfilters_rows"),
+    decode_step=EVICTION_DECODE_STEP,
+    batched_decode_step=EVICTION_BATCH_STEP,
+    scheme=(names.QFILTERS_SCHEME, Deferred("mlxkv.caches.qfilters:qfilters_scheme")),
 )
 FAMILIES = [PLAIN, AFFINE, RING, AFFINE_RING, RECURRENT, TURBO, TOVA, QFILTERS]
 
 for _family in FAMILIES:
     register_family(_family)
-register_row_merge(merge_rows)
+register_row_merge(Deferred("mlxkv.batched.rows:merge_rows"))

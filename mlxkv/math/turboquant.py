@@ -61,7 +61,10 @@ def check_bits(k_bits, v_bits) -> None:
 
 def check_head_dim(head_dim) -> None:
     if not is_int(head_dim) or head_dim not in HEAD_DIMS:
-        raise CacheConfigError(f"TurboQuant supports head_dim in {HEAD_DIMS} (the FWHT sign tables), got {head_dim!r}")
+        raise CacheConfigError(
+            f"TurboQuant supports head_dim in {HEAD_DIMS} (the FWHT sign tables), got {head_dim!r}: "
+            "use an affine scheme whose group divides the head dim (kv4-g32, kv8-g32) or bf16 for this model"
+        )
 
 
 def key_width(head_dim: int, k_bits: int) -> int:
@@ -126,7 +129,11 @@ def codebook() -> Codebook:
 
 
 def _groups(x: mx.array) -> mx.array:
+    """``x`` as groups of ``GROUP`` along its head dim, which every encode and decode goes
+    through: a head dim without sign tables is refused here, for serial caches and batched
+    rows alike, before anything is reshaped or stored."""
     *lead, d = x.shape
+    check_head_dim(d)
     return x.astype(mx.float32).reshape(*lead, d // GROUP, GROUP)
 
 

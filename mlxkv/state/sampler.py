@@ -20,13 +20,15 @@ generator inside a compiled function); it is mlx-lm's code with the key made exp
 
 :class:`SamplerV1` is the sampler of format-1 checkpoints (temperature on float32 logits,
 then mlxkv's own nucleus cut), kept so that those resume bit for bit.
+
+mlx-lm's functions are imported where a sampler runs, not with this module: checking a
+checkpoint's sampler (a header read) imports nothing of mlx-lm.
 """
 
 import math
 from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from ..errors import CacheConfigError
 
@@ -146,6 +148,8 @@ class Sampler:
 
     def processors(self) -> list:
         """mlx-lm's logits processors for these settings (``make_logits_processors``)."""
+        from mlx_lm.sample_utils import make_logits_processors
+
         kwargs = {"logit_bias": dict(self.logit_bias) or None}
         for name, penalty, size in self._penalties():
             kwargs[f"{name}_penalty"] = penalty
@@ -159,6 +163,8 @@ class Sampler:
 
     def sample(self, logits: mx.array, key: mx.array):
         """``(token [1], next key)`` from processed logits ``[1, V]``, as mlx-lm's sampler."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self.greedy:
             key, _ = mx.random.split(key)
