@@ -9,8 +9,10 @@ rows equal to serial ones, the converted tokenizer and weights) holds per dtype.
 """
 
 import functools
+import math
 import struct
 
+import mlx.core as mx
 import mlx_lm
 import numpy as np
 
@@ -91,16 +93,21 @@ class GGUFFile:
             return items.tolist()
         return self._unpack(_SCALARS[kind])
 
-    def tensor(self, name) -> np.ndarray:
-        """Tensor ``name`` in float32, shaped outermost first (``[rows, columns]``)."""
+    def tensor(self, name, rows=None) -> np.ndarray:
+        """Tensor ``name`` in float32, shaped outermost first (``[rows, columns]``); ``rows``:
+        only those rows of a matrix (each row is whole blocks: an embedding's lookup
+        dequantizes the tokens it looks up, not the vocabulary)."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import dequantize
 
         dims, kind, offset = self.tensors[name]
         kind = GGMLQuantizationType(kind)
         block, block_bytes = GGML_QUANT_SIZES[kind]
-        rows, row_bytes = int(np.prod(dims[1:])), dims[0] // block * block_bytes
-        raw = np.frombuffer(self._data, np.uint8, rows * row_bytes, self._start + offset).reshape(rows, row_bytes)
+        n, row_bytes = int(np.prod(dims[1:])), dims[0] // block * block_bytes
+        raw = np.frombuffer(self._data, np.uint8, n * row_bytes, self._start + offset).reshape(n, row_bytes)
+        if rows is not None:
+            assert len(dims) == 2, name
+            return np.asarray(dequantize(raw[list(rows)], kind), np.float32).reshape(len(rows), dims[0])
         return np.asarray(dequantize(raw, kind), np.float32).reshape(*reversed(dims))
 
 
@@ -108,3 +115,65 @@ class GGUFFile:
 def gguf(name: str) -> GGUFFile:
     """The fetched GGUF file of model ``name``, read once per test process."""
     return GGUFFile(gguf_file(name))
+
+
+# -- an independent Gemma 3 forward pass in numpy, from the GGUF ---------------------------
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope_split_half(x, base):
+    t, half = x.shape[-2], x.shape[-1] // 2
+    angle = np.arange(t, dtype=np.float32)[:, None] * base ** (-np.arange(half, dtype=np.float32) / half)
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@functools.cache
+def numpy_gemma3(ids: tuple) -> tuple:
+    """``(hidden [T, d], [(keys, values)] per layer)`` of Gemma 3 over ``ids`` from the GGUF,
+    written from its published architecture with llama.cpp's conventions for the file, not
+    the converter's output: embedding scaled by sqrt(d) (rounded to bfloat16, as the
+    reference implementations and mlx-lm compute it); per layer pre-norm attention with
+    per-head query/key norms, post-attention norm, pre- and post-feed-forward norms around a
+    GELU-gated MLP; scores scaled by head_dim ** -0.5; the norm weights as stored (with the
+    ``+ 1`` the converter takes out). Local layers (five of every six) attend the last
+    ``sliding_window`` positions with RoPE base 10,000, global ones everything with the
+    file's base. ``hidden`` is after the final norm (the logits are ``hidden @ embedding.T``);
+    the keys and values are what a cache holds, ``[kv_heads, T, head_dim]``."""
+    g = gguf(GEMMA3)
+    m = {k.removeprefix("gemma3."): v for k, v in g.metadata.items()}
+    d, dh, eps = m["embedding_length"], m["attention.key_length"], m["attention.layer_norm_rms_epsilon"]
+    heads, kv_heads, window = m["attention.head_count"], m["attention.head_count_kv"], m["attention.sliding_window"]
+    t = len(ids)
+    x = g.tensor("token_embd.weight", rows=ids) * np.float32(mx.array(math.sqrt(d), mx.bfloat16).item())
+    pos = np.arange(t)
+    causal = np.where(pos[None, :] <= pos[:, None], 0, -np.inf).astype(np.float32)
+    local = np.where(pos[None, :] > pos[:, None] - window, causal, -np.inf).astype(np.float32)
+    kv = []
+    for i in range(m["block_count"]):
+        w = lambda name, i=i: g.tensor(f"blk.{i}.{name}.weight")
+        is_local = i % 6 < 5
+        h = _rms(x, w("attn_norm"), eps)
+        q = _rms((h @ w("attn_q").T).reshape(t, heads, dh), w("attn_q_norm"), eps).transpose(1, 0, 2)
+        k = _rms((h @ w("attn_k").T).reshape(t, kv_heads, dh), w("attn_k_norm"), eps).transpose(1, 0, 2)
+        v = (h @ w("attn_v").T).reshape(t, kv_heads, dh).transpose(1, 0, 2)
+        base = 10000.0 if is_local else m["rope.freq_base"]
+        q, k = _rope_split_half(q, base), _rope_split_half(k, base)
+        kv.append((k, v))
+        k, v = np.repeat(k, heads // kv_heads, 0), np.repeat(v, heads // kv_heads, 0)
+        s = q @ k.transpose(0, 2, 1) * np.float32(dh**-0.5) + (local if is_local else causal)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        o = ((p / p.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, heads * dh)
+        x = x + _rms(o @ w("attn_output").T, w("post_attention_norm"), eps)
+        h = _rms(x, w("ffn_norm"), eps)
+        f = (_gelu_tanh(h @ w("ffn_gate").T) * (h @ w("ffn_up").T)) @ w("ffn_down").T
+        x = x + _rms(f, w("post_ffw_norm"), eps)
+    return _rms(x, g.tensor("output_norm.weight"), eps), kv

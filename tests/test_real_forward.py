@@ -8,11 +8,12 @@ conversion step that is wrong shows:
 
 - SmolLM2 (llama): ``mlxkv.models.numpy_llama`` with traditional RoPE on the GGUF's query and
   key rows as stored (the converter reorders them for mlx-lm's split-half RoPE instead);
-- Gemma 3: a numpy Gemma 3 written below from its published architecture, with the GGUF's norm
-  weights used as stored (they include the ``+ 1`` that the converter takes out for mlx-lm's
-  ``1 + w``), local layers (five of every six) with RoPE base 10,000 and global ones with the
-  file's 1,000,000. The prompt is shorter than the 512 window, so the window itself is not
-  exercised here (the ring tests are, tests/test_real_sessions.py). Its embedding scale is
+- Gemma 3: the numpy Gemma 3 of tests/real_models.py, written from its published
+  architecture, with the GGUF's norm weights used as stored (they include the ``+ 1`` that
+  the converter takes out for mlx-lm's ``1 + w``), local layers (five of every six) with RoPE
+  base 10,000 and global ones with the file's 1,000,000. The prompt is shorter than the 512
+  window, so the window is not compared here (the same pass over 520 positions gives the
+  wrapped rings' keys and values in tests/test_real_sessions.py). Its embedding scale is
   ``sqrt(hidden_size)`` rounded to bfloat16, as the reference implementations compute it for
   the bfloat16 checkpoint and mlx-lm does for every dtype.
 
@@ -21,12 +22,12 @@ numpy float32; the arg-max agrees everywhere. bfloat16 is checked to be float32 
 """
 
 import functools
-import math
 
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+import real_models
 from real_models import GEMMA3, SMOLLM2, chat_prompt, gguf, loaded
 
 from mlxkv.models import fetch, numpy_llama
@@ -76,52 +77,11 @@ def numpy_smollm2(ids):
     return numpy_llama.logits(params, cfg, np.array([list(ids)]))[0]
 
 
-def _rms(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def _rope_split_half(x, base):
-    t, half = x.shape[-2], x.shape[-1] // 2
-    angle = np.arange(t, dtype=np.float32)[:, None] * base ** (-np.arange(half, dtype=np.float32) / half)
-    cos, sin = np.cos(angle), np.sin(angle)
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-
-
-@functools.cache
 def numpy_gemma3(ids):
-    """Gemma 3's logits [T, V] from the GGUF: embedding scaled by sqrt(d); per layer
-    pre-norm attention with per-head query/key norms, post-attention norm, pre- and post-
-    feed-forward norms around a GELU-gated MLP; scores scaled by head_dim ** -0.5; tied output."""
-    g = gguf(GEMMA3)
-    m = {k.removeprefix("gemma3."): v for k, v in g.metadata.items()}
-    d, dh, eps = m["embedding_length"], m["attention.key_length"], m["attention.layer_norm_rms_epsilon"]
-    heads, kv_heads = m["attention.head_count"], m["attention.head_count_kv"]
-    t = len(ids)
-    emb = g.tensor("token_embd.weight")
-    x = emb[list(ids)] * np.float32(mx.array(math.sqrt(d), mx.bfloat16).item())
-    causal = np.triu(np.full((t, t), -np.inf, np.float32), 1)
-    for i in range(_layers(g, "gemma3")):
-        w = lambda name, i=i: g.tensor(f"blk.{i}.{name}.weight")
-        base = 10000.0 if i % 6 < 5 else m["rope.freq_base"]
-        h = _rms(x, w("attn_norm"), eps)
-        q = _rms((h @ w("attn_q").T).reshape(t, heads, dh), w("attn_q_norm"), eps).transpose(1, 0, 2)
-        k = _rms((h @ w("attn_k").T).reshape(t, kv_heads, dh), w("attn_k_norm"), eps).transpose(1, 0, 2)
-        v = (h @ w("attn_v").T).reshape(t, kv_heads, dh).transpose(1, 0, 2)
-        q, k = _rope_split_half(q, base), _rope_split_half(k, base)
-        k, v = np.repeat(k, heads // kv_heads, 0), np.repeat(v, heads // kv_heads, 0)
-        s = q @ k.transpose(0, 2, 1) * np.float32(dh**-0.5) + causal
-        p = np.exp(s - s.max(-1, keepdims=True))
-        o = ((p / p.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, heads * dh)
-        x = x + _rms(o @ w("attn_output").T, w("post_attention_norm"), eps)
-        h = _rms(x, w("ffn_norm"), eps)
-        f = (_gelu_tanh(h @ w("ffn_gate").T) * (h @ w("ffn_up").T)) @ w("ffn_down").T
-        x = x + _rms(f, w("post_ffw_norm"), eps)
-    return _rms(x, g.tensor("output_norm.weight"), eps) @ emb.T
+    """Gemma 3's logits [T, V] from the GGUF (tests/real_models.py: the forward pass) by its tied
+    output embedding."""
+    hidden, _ = real_models.numpy_gemma3(ids)
+    return hidden @ gguf(GEMMA3).tensor("token_embd.weight").T
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import sys
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
-from real_models import GEMMA3, SMOLLM2, TIER_DTYPE, loaded
+from real_models import GEMMA3, SMOLLM2, TIER_DTYPE, loaded, numpy_gemma3
 
 import mlxkv
 from mlxkv.models.seeded import SCHEMES
@@ -73,14 +73,20 @@ def _text_tokens(tokenizer, n):
 def test_batch_rows_on_wrapped_gemma_rings_equal_serial_rows():
     """Two rows continue one 520-token prefix (every local layer's 512 ring has wrapped) with
     different tails, a third starts fresh (its rings far from full); all decode together.
-    Tokens equal the serial ones exactly, log-probabilities within LOGPROB_TOLERANCE."""
+    Tokens equal the serial ones exactly, log-probabilities within LOGPROB_TOLERANCE.
+
+    The prefix's keys and values are the real model's, from the numpy forward pass over the
+    GGUF (tests/real_models.py; numpy's BLAS reads 520 positions in a few seconds where MLX's
+    reference BLAS on this CPU takes most of a minute), written into the caches in one
+    update as mlx-lm's prefill writes them; the rows continue through mlx-lm's model."""
     model, tokenizer = loaded(GEMMA3)
     prefix = _text_tokens(tokenizer, 520)
     tail = lambda text: tokenizer.encode(text, add_special_tokens=False)
     prompts = [tail(" So the red box"), tail(" Question: how many stones does the box of line 3 hold?"), prefix[:20]]
     head = mlxkv.make_cache(model, "bf16")
-    model(mx.array([prefix]), cache=head)
-    mx.eval([c.state for c in head])  # the caches only: no logits for 520 positions
+    for cache, (keys, values) in zip(head, numpy_gemma3(tuple(prefix))[1], strict=True):
+        cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
+    mx.eval([c.state for c in head])
     assert [c.kind for c in head].count("kv:rotating-plain") == 15 and head[0].offset == 520 > head[0].max_size
     starts = [lambda: copy.deepcopy(head)] * 2 + [lambda: mlxkv.make_cache(model, "bf16")]
     n = 6

@@ -10,7 +10,7 @@ import mlx_lm
 import pytest
 from batch_helpers import tokens_at_once
 from mlx_lm.generate import BatchGenerator
-from real_models import GEMMA3, SMOLLM2, chat_prompt, loaded
+from real_models import GEMMA3, SMOLLM2, loaded
 
 import mlxkv
 
@@ -20,10 +20,10 @@ SCHEME = "turbo-k8v3"
 QUESTIONS = ["Why is the sky blue?", "Name three rivers of Europe and the seas they reach."]
 
 
-def prompts(name, tokenizer):
-    if name == SMOLLM2:
-        return [chat_prompt(tokenizer, q) for q in QUESTIONS]
-    return [tokenizer.encode(q) for q in QUESTIONS]  # Gemma 3 270M has no chat template
+def prompts(tokenizer):
+    """The questions as plain text: SmolLM2's chat template would add a 30-token system turn
+    to each prompt, which reads no differently from the codes than the question does."""
+    return [tokenizer.encode(q) for q in QUESTIONS]
 
 
 def caches(model, codes):
@@ -45,7 +45,7 @@ def batched(model, rows, codes):
 @pytest.mark.parametrize("name", [SMOLLM2, GEMMA3])
 def test_real_models_attend_turboquant_from_the_codes(name, codes_reads):
     model, tokenizer = loaded(name)
-    rows = prompts(name, tokenizer)
+    rows = prompts(tokenizer)
     exact_text, exact_rows = generated(model, tokenizer, rows[0], codes=False), batched(model, rows, codes=False)
     before = dict(codes_reads)
     for compiled in (False, True):
