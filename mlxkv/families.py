@@ -103,6 +103,9 @@ class Scheme:
     #: the ``make_cache`` options the family reads, by name; any other is refused
     #: (``caches.schemes.parse_scheme``) before a cache is built
     options: tuple[str, ...] = ()
+    #: a bf16-first scheme's conversion start (its caches are ``Bf16FirstCache``s holding
+    #: bf16 until then); None for a scheme whose caches never convert
+    start: int | None = None
 
 
 @dataclass(frozen=True)
