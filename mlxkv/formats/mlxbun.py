@@ -248,21 +248,12 @@ def load_mlx_bun(
         check_for_model(where, header, model, allow_other_model)
     if check is not None:
         check(f.path, header)
-    codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
-    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.records]
-    requests += [(s, None) for group in h.attachments for s in group]
-    arrays = _read_arrays(f, requests, verify, progress)
     # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
-    by_name = {
-        ref["name"]: arrays.pop(s.info.name)
-        for layer in layers
-        for ref, s in zip(layer.entry["tensors"], layer.records)
-    }
+    by_name, attachments = _read_tensors(f, layers, True, verify, progress)
     caches = decode_entries({"caches": [layer.entry for layer in layers]}, by_name, where)
     del by_name
     for cache in caches:
         mx.eval(cache.state)
-    attachments = _read_attachments(h, arrays)
     return MlxBunSnapshot(caches, list(header["tokens"]), header, f.path, attachments, h.header)
 
 
@@ -270,24 +261,27 @@ def layers_mlx_bun(f: container.MlxBunFile) -> Carried:
     """What a conversion carries out of an open mlx-bun file: every header check, every
     tensor (hashes verified, no slack rows; rings whole as laid out), its layers
     (``kinds.entries.read_layers``) and its attachments, no cache built."""
-    h, where = f.header, f.where
-    header, layers = translate(h)
-    requests = [(s, None) for layer in layers for s in layer.records]
+    header, layers = translate(f.header)
+    by_name, attachments = _read_tensors(f, layers, False, True, None)
+    carried = read_layers(header, by_name, f.where)
+    return Carried(carried, list(header["tokens"]), header, f.path, attachments, header["mlxBun"]["createdAt"])
+
+
+def _read_tensors(f: container.MlxBunFile, layers: list, slack: bool, verify: bool, progress) -> tuple[dict, list]:
+    """(every layer's tensors by their mlxkv name, the attachments with theirs), read in one
+    pass; ``slack`` gives growing caches their restore capacity (``Codec.capacity``), else
+    every tensor is as the file holds it."""
+    h = f.header
+    rows = [family_of_persisted(layer.entry["kind"]).codec.capacity(layer.entry) if slack else None for layer in layers]
+    requests = [(s, n) for layer, n in zip(layers, rows) for s in layer.records]
     requests += [(s, None) for group in h.attachments for s in group]
-    arrays = _read_arrays(f, requests, True, None)
+    arrays = _read_arrays(f, requests, verify, progress)
     by_name = {
         ref["name"]: arrays.pop(s.info.name)
         for layer in layers
         for ref, s in zip(layer.entry["tensors"], layer.records)
     }
-    carried = read_layers(header, by_name, where)
-    attachments = _read_attachments(h, arrays)
-    return Carried(carried, list(header["tokens"]), header, f.path, attachments, header["mlxBun"]["createdAt"])
-
-
-def _read_attachments(h: container.MlxBunHeader, arrays: dict) -> list:
-    """mlx-bun's attachments with their tensors (taken out of ``arrays``)."""
-    return [
+    attachments = [
         {
             "schema": raw["schema"],
             "metadata": dict(raw["metadata"]),
@@ -295,6 +289,7 @@ def _read_attachments(h: container.MlxBunHeader, arrays: dict) -> list:
         }
         for raw, group in zip(h.header.get("attachments", []), h.attachments)
     ]
+    return by_name, attachments
 
 
 def verify_mlx_bun(f: container.MlxBunFile, progress: Callable[[int, int], None] | None = None) -> dict:

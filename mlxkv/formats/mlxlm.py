@@ -46,10 +46,10 @@ from ..errors import (
     UnknownKindError,
     UnsupportedKindError,
 )
-from ..math.affine import check_affine
 from ..io.safetensors import SafetensorsFile, write_atomic
 from ..io.tensor_reader import TensorReader
 from ..kinds.entries import Layer, cache_layers, check_holds, check_layers, layer_entries
+from ..math.affine import check_affine
 from ..state.identity import UNKNOWN, Identity
 from .mlxkv_header import META_KEY, not_a_snapshot
 from .snapshot import Carried
@@ -360,7 +360,9 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> "
             empty[i] = values
         layers.append(layer)
 
-    positional = [(layer.entry["offset"] if layer else 0) for layer, cls in zip(layers, classes) if cls != "ArraysCache"]
+    positional = [
+        (layer.entry["offset"] if layer else 0) for layer, cls in zip(layers, classes) if cls != "ArraysCache"
+    ]
     offsets = set(positional)
     if len(offsets) > 1:
         raise CorruptSnapshotError(f"{path}: the caches disagree on their offset ({sorted(offsets)})")
