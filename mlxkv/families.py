@@ -36,8 +36,8 @@ class Family:
     - ``kind``: the live kind, exact (``"kv:plain"``) or a prefix ending in ``:`` (the live
       cache's ``kind`` or ``kind_prefix``);
     - ``codec``: the family's codec (``mlxkv.codecs.base.Codec``): its ``persisted`` kind,
-      ``fields``, ``slots`` and ``bun`` form, and ``encode``, ``check``, ``decode``,
-      ``prefix``, ``trimmable``, ``capacity``, ``geometry``;
+      ``fields``, ``slots`` and ``bun`` form, and ``encode``, ``stored``, ``check``,
+      ``check_values``, ``decode``, ``prefix``, ``trimmable``, ``capacity``, ``geometry``;
     - ``rows``: ``rows(serial_cache) -> row format`` whose ``merge(rows)`` builds the batched
       layout; None when rows of this family cannot share a batch;
     - ``decode_step``: ``decode_step(cache) -> DecodeStep``, the cache's part in one compiled
