@@ -6,6 +6,8 @@ is a bool, so these refuse it.
 
 from typing import Any
 
+from .errors import CacheConfigError
+
 
 def is_int(value: Any) -> bool:
     """An integer that is not a bool."""
@@ -40,3 +42,12 @@ def is_count32_list(value: Any) -> bool:
 def is_int_list(value: Any) -> bool:
     """A list whose every element is an integer (not a bool)."""
     return isinstance(value, list) and all(is_int(v) for v in value)
+
+
+def check_ring_size(max_size, keep) -> None:
+    """A ring of ``max_size`` positions keeping its first ``keep``: ``max_size > 0`` and
+    ``0 <= keep < max_size`` (mlx-lm's ``RotatingKVCache`` and mlxkv's rings alike)."""
+    if max_size <= 0 or not 0 <= keep < max_size:
+        raise CacheConfigError(
+            f"a ring needs max_size > 0 and 0 <= keep < max_size; got max_size={max_size}, keep={keep}"
+        )

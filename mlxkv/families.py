@@ -36,8 +36,8 @@ class Family:
     - ``kind``: the live kind, exact (``"kv:plain"``) or a prefix ending in ``:`` (the live
       cache's ``kind`` or ``kind_prefix``);
     - ``codec``: the family's codec (``mlxkv.codecs.base.Codec``): its ``persisted`` kind,
-      ``fields``, ``slots`` and ``bun`` form, and ``encode``, ``check``, ``decode``,
-      ``prefix``, ``trimmable``, ``capacity``, ``geometry``;
+      ``fields``, ``slots`` and ``bun`` form, and ``encode``, ``stored``, ``check``,
+      ``check_values``, ``decode``, ``prefix``, ``trimmable``, ``capacity``, ``geometry``;
     - ``rows``: ``rows(serial_cache) -> row format`` whose ``merge(rows)`` builds the batched
       layout; None when rows of this family cannot share a batch;
     - ``decode_step``: ``decode_step(cache) -> DecodeStep``, the cache's part in one compiled
@@ -103,6 +103,9 @@ class Scheme:
     #: the ``make_cache`` options the family reads, by name; any other is refused
     #: (``caches.schemes.parse_scheme``) before a cache is built
     options: tuple[str, ...] = ()
+    #: a bf16-first scheme's conversion start (its caches are ``Bf16FirstCache``s holding
+    #: bf16 until then); None for a scheme whose caches never convert
+    start: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The ``mlxkv`` command as users type it, each in a fresh process: ``python -m mlxkv``,
 ``--version``, ``--help`` (the public commands only), ``serve --help`` (every default),
-``schemes``, ``import mlxkv`` without mlx-lm, and ``inspect``/``verify``/``schemes``/
-``--help``/``--version`` without mlx-lm or transformers."""
+``schemes``, ``import mlxkv`` without mlx-lm, and ``inspect``/``verify``/``convert``/
+``schemes``/``--help``/``--version`` without mlx-lm or transformers."""
 
 import glob
 import os
@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import mlxkv
+from mlxkv.formats.table import convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,6 +79,8 @@ LIGHT_FIXTURES = (
     "fixtures/valid/qfilters-b6-s2-r2-llama.safetensors",
     "fixtures/valid/rotating-gemma3.safetensors",
     "fixtures/valid/converted-kv4-start4-hybrid.safetensors",
+    "fixtures/valid/pending-kv4-start32-hybrid.safetensors",  # bf16-first, saved before converting
+    "fixtures/valid/pending-turbo-k4v2-start16-hybrid.safetensors",
 )
 #: the command's main in a fresh process, then which of mlx-lm and transformers it imported
 IMPORTED = (
@@ -108,4 +111,42 @@ def test_header_commands_import_neither_mlx_lm_nor_transformers(argv):
     (about 2 s of CPU at startup)."""
     r = run("-c", IMPORTED, *argv)
     assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "imported: []", r.stdout[-400:]
+
+
+#: conversions between the three formats: (source, target); the mlx-lm source is written by
+#: the test (``mlx_lm_file``) from an mlx-bun fixture
+CONVERSIONS = (
+    ("fixtures/valid/kv-llama.safetensors", "mlx-bun"),
+    ("fixtures/mlx-bun/qkv-v3.mlxkv", "mlx-lm"),
+    ("fixtures/valid/pending-kv4-start32-hybrid.safetensors", "mlxkv"),
+    ("fixtures/valid/turboquant-k4v3-llama.safetensors", "mlxkv"),
+    ("fixtures/valid/qfilters-b6-s2-r2-llama.safetensors", "mlxkv"),
+    ("fixtures/valid/tova-b6-s2-llama.safetensors", "mlxkv"),
+    ("fixtures/valid/rotating-wrapped-llama.safetensors", "mlxkv"),
+    ("fixtures/valid/ssm-hybrid.safetensors", "mlxkv"),
+    ("fixtures/mlx-bun/rotating-v3.mlxkv", "mlxkv"),
+    ("fixtures/mlx-bun/rotating-v3.mlxkv", "mlx-lm"),
+    ("fixtures/mlx-bun/ssm-v3.mlxkv", "mlx-bun"),
+    ("mlx-lm", "mlxkv"),
+    ("mlx-lm", "mlx-bun"),
+)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mlx-lm") / "prompt-cache.safetensors")
+    convert(os.path.join(ROOT, "fixtures/mlx-bun/rotating-prompt-v3.mlxkv"), path, to="mlx-lm")
+    return path
+
+
+@pytest.mark.parametrize(("src", "to"), CONVERSIONS, ids=[f"{s}->{t}" for s, t in CONVERSIONS])
+def test_convert_imports_neither_mlx_lm_nor_transformers(src, to, mlx_lm_file, tmp_path):
+    """A conversion carries each layer's entry and arrays from the reader to the writer
+    (``kinds.entries.Layer``) and builds no cache, so it imports neither."""
+    src = mlx_lm_file if src == "mlx-lm" else src
+    dst = str(tmp_path / ("out.mlxkv" if to == "mlx-bun" else "out.safetensors"))
+    r = run("-c", IMPORTED, "convert", src, dst, "--to", to)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {dst} ({to})" in r.stdout
     assert r.stdout.splitlines()[-1] == "imported: []", r.stdout[-400:]

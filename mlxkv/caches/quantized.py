@@ -7,12 +7,9 @@ quantized SDPA for it.
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..families import Scheme
 from ..math.affine import check_affine
 from . import names
 from .base import CacheContract, row_bytes
-from .rotating import RotatingQuantizedKVCache
-from .transition import Bf16FirstCache, PendingConversion
 
 
 class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
@@ -64,25 +61,3 @@ class QuantizedKVCache(CacheContract, mlx_cache.QuantizedKVCache):
     def adopt(self, keys: tuple, values: tuple, offset: int):
         self.keys, self.values, self.offset = tuple(keys), tuple(values), offset
         return self
-
-
-def affine_scheme(m, options) -> Scheme:
-    """``kv<bits>[-g<group>][-start<N>]``: mlx-lm's affine layout (group 64 by default), from
-    token 0 or bf16-first until ``N`` positions are stored; rings of affine rows under
-    ``max_kv_size``."""
-    bits, group = int(m["bits"]), int(m["group"] or 64)
-    check_affine(bits, group)  # now, not at the first layer or the conversion
-    start, target = m["start"], f"kv{bits}-g{group}"
-    if start is None:
-        return Scheme(
-            target,
-            lambda i, o: QuantizedKVCache(group_size=group, bits=bits),
-            True,
-            lambda n, keep: RotatingQuantizedKVCache(n, keep, group_size=group, bits=bits),
-            policy={"kvScheme": target},  # quantized from token 0: mlx-bun has no such cache
-        )
-    pending = PendingConversion(
-        target, int(start), lambda c: QuantizedKVCache.from_cache(c, group_size=group, bits=bits)
-    )
-    policy = {"kvBits": bits, "kvGroupSize": group, "quantizedKvStart": int(start)}
-    return Scheme(f"{target}-start{int(start)}", lambda i, o: Bf16FirstCache(pending), True, policy=policy)

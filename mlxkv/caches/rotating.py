@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from ..errors import CacheConfigError
+from ..checks import check_ring_size
 from ..math.affine import check_affine
 from . import names
 from .base import CacheContract, row_bytes
@@ -30,10 +30,7 @@ class _Ring(CacheContract, mlx_cache.RotatingKVCache):
     step = 256
 
     def __init__(self, max_size: int, keep: int = 0):
-        if max_size <= 0 or not 0 <= keep < max_size:
-            raise CacheConfigError(
-                f"a ring needs max_size > 0 and 0 <= keep < max_size; got max_size={max_size}, keep={keep}"
-            )
+        check_ring_size(max_size, keep)
         self.max_size, self.keep = max_size, keep
         self.keys = self.values = None
         self.offset = 0

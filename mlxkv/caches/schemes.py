@@ -72,18 +72,21 @@ def scheme_grammar() -> list[tuple[str, str]]:
     return out
 
 
+def check_pending(pending: dict, options: dict | None = None):
+    """The parsed bf16-first scheme a snapshot entry's ``{"scheme", "start"}`` names, or
+    :class:`SchemeError`; builds no cache (a header check imports no live cache)."""
+    start = int(pending["start"])
+    parsed = parse_scheme(f"{pending['scheme']}-start{start}", options)
+    if parsed.start is None:
+        raise SchemeError(f"scheme {pending['scheme']!r} has no bf16-first form")
+    return parsed
+
+
 def scheme_for_pending(pending: dict, options: dict | None = None):
     """Rebuild a pending conversion from its snapshot entry ``{"scheme", "start"}`` (with
     ``make_cache`` options such as TurboQuant's ``codes``; the read is not stored): the
     ``PendingConversion`` of the scheme's bf16-first cache."""
-    from .transition import Bf16FirstCache
-
-    start = int(pending["start"])
-    parsed = parse_scheme(f"{pending['scheme']}-start{start}", options)
-    cache = parsed.build(0, options or {})
-    if not isinstance(cache, Bf16FirstCache):
-        raise SchemeError(f"scheme {pending['scheme']!r} has no bf16-first form")
-    return cache.pending
+    return check_pending(pending, options).build(0, options or {}).pending
 
 
 def model_config(model) -> dict:

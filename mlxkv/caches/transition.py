@@ -23,23 +23,11 @@ from dataclasses import dataclass
 
 from ..errors import CacheConfigError
 from .base import CacheContract
+from .conversion import conversion_due, conversion_floor
 from .plain import KVCache
 
 #: attributes a wrapper shows only while its last window was a quantized window
 QUANTIZED_WINDOW_ATTRIBUTES = ("bits", "group_size")
-
-
-def conversion_due(start, offset):
-    """mlx-bun's ``transitionDue``: does a plain storage that an append just left holding
-    ``offset`` positions convert now, for a conversion at ``start``? Once it holds ``start``
-    (with ``start == 0``: once it holds any). ``offset`` may be an array of rows' offsets."""
-    return (offset > 0) & (offset >= start)
-
-
-def conversion_floor(start, at):
-    """The reuse floor a conversion at position ``at`` sets: ``at`` after position 0
-    (earlier prefixes were never stored in the target's precision), else 0."""
-    return at if start > 0 else 0 * at
 
 
 @dataclass(frozen=True)

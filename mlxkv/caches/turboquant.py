@@ -30,13 +30,11 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheConfigError, MLXKVError
-from ..families import Scheme
 from ..math import turboquant as tq
 from . import codes_window, names
 from .base import CacheContract, DenseKeysAndValues, DtypeAttribute
 from .plain import KVCache
 from .reads import AttentionRead
-from .transition import Bf16FirstCache, PendingConversion
 
 
 def unrotate_output(out: mx.array) -> mx.array:
@@ -301,24 +299,3 @@ class TurboQuantKVCache(DenseKeysAndValues, CacheContract, mlx_cache._BaseCache)
             raise CacheConfigError(f"the arrays hold {k_idx.shape[2]} positions, fewer than offset {offset}")
         self.storage, self.offset = stored, offset
         return self
-
-
-def turbo_scheme(m, opts):
-    """``turbo-k<k>v<v>`` and ``turbo-k<k>v<v>-start<N>``: bf16-first TurboQuant (start 0 if absent)."""
-    k_bits, v_bits, start = int(m["k"]), int(m["v"]), int(m["start"] or 0)
-    tq.check_bits(k_bits, v_bits)  # now, not at the conversion
-
-    def build(i, o):
-        if o.get("head_dim") is not None:  # the model's, from make_cache: refused before any cache is built
-            tq.check_head_dim(o["head_dim"])
-        deferred, codes = bool(o.get("deferred", True)), bool(o.get("codes", True))
-        pending = PendingConversion(
-            f"turbo-k{k_bits}v{v_bits}",
-            start,
-            lambda c: TurboQuantKVCache.from_cache(c, k_bits, v_bits, deferred, codes),
-        )
-        return Bf16FirstCache(pending)
-
-    policy = {"turboQuant": {"kBits": k_bits, "vBits": v_bits}, "quantizedKvStart": start}
-    name = f"turbo-k{k_bits}v{v_bits}-start{start}"
-    return Scheme(name, build, True, policy=policy, options=("deferred", "codes"))  # reads, not what is held

@@ -84,7 +84,6 @@ class RotatingAffineCodec(Codec):
     bun = ring.BUN_RING
 
     def encode(self, cache):
-        n = min(cache.offset, cache._rows())
         fields = {
             "offset": cache.offset,
             "idx": cache._idx,
@@ -93,7 +92,10 @@ class RotatingAffineCodec(Codec):
             "groupSize": cache.group_size,
             "bits": cache.bits,
         }
-        return fields, affine_slots(cache.keys, cache.values, n)
+        return fields, affine_slots(cache.keys, cache.values)
+
+    def stored(self, entry, held):
+        return ring.ring_stored(entry, held)
 
     def check(self, entry, shapes):
         check_affine_entry(entry, shapes)

@@ -88,8 +88,20 @@ class Codec:
 
     def encode(self, cache) -> tuple[dict, list[tuple[str, mx.array]]]:
         """Header fields (besides kind, tensors and minimumReusableOffset) and the
-        (slot name, array) pairs in slot order."""
+        (slot name, array) pairs in slot order, as the cache holds them (``stored`` gives
+        what an mlxkv entry holds of them)."""
         raise NotImplementedError
+
+    def stored(self, entry: dict, held: list[tuple[str, mx.array]]) -> list[tuple[str, mx.array]]:
+        """The (slot, array) pairs an mlxkv entry stores of what a cache holds (``encode``'s
+        arrays, or a file's as read): the held arrays themselves, unless the codec keeps
+        rows an entry does not store (a ring's unwritten tail)."""
+        return list(held)
+
+    def check_values(self, entry: dict, tensors: dict[str, mx.array]) -> None:
+        """The rules on a checked entry's stored values (read after their checksums
+        passed), which ``decode`` and a conversion apply; raise
+        :class:`CorruptSnapshotError`. None by default: the header checks say it all."""
 
     def check(self, entry: dict, shapes: dict[str, Sequence[int]]) -> None:
         """Validate a header entry and the declared slot shapes; raise

@@ -79,10 +79,13 @@ class QFiltersCodec(Codec):
     def trimmable(self, entry, shapes):
         return not has_evicted(entry, shapes)
 
+    def check_values(self, entry, t):
+        check_positions(entry, t["positions"])
+
     def decode(self, entry, t):
         from ..caches.qfilters import QFiltersKVCache
 
-        check_positions(entry, t["positions"])
+        self.check_values(entry, t)
         cache = QFiltersKVCache(entry["budget"], entry["nSink"], entry["recent"], entry["sign"], entry["calibTokens"])
         return cache.adopt(
             t["keys"],

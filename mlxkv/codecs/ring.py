@@ -18,6 +18,13 @@ def check_ring(entry, rows):
         )
 
 
+def ring_stored(entry, held):
+    """A ring's stored rows: the ring as laid out, cut to its offset (rows past it are the
+    unwritten tail of a ring not yet full, which mlx-bun's files keep and mlxkv's do not)."""
+    n = min(entry["offset"], held[0][1].shape[2])
+    return [(slot, a[..., :n, :]) for slot, a in held]
+
+
 def ring_trimmable(entry) -> bool:
     """A ring trims until it wraps (mlx-lm's ``is_trimmable``): while ``offset < maxSize``."""
     return entry["offset"] < entry["maxSize"]
@@ -38,9 +45,11 @@ class RingCodec(Codec):
     bun = BUN_RING
 
     def encode(self, cache):
-        n = min(cache.offset, cache._rows())  # rows past offset are unwritten slack
         fields = {"offset": cache.offset, "idx": cache._idx, "maxSize": cache.max_size, "keep": cache.keep}
-        return fields, [("keys", cache.keys[..., :n, :]), ("values", cache.values[..., :n, :])]
+        return fields, [("keys", cache.keys), ("values", cache.values)]
+
+    def stored(self, entry, held):
+        return ring_stored(entry, held)
 
     def check(self, entry, shapes):
         expect_slots(entry, shapes, self.slots)

@@ -98,10 +98,13 @@ class TOVACodec(Codec):
     def trimmable(self, entry, shapes):
         return not has_evicted(entry, shapes)
 
+    def check_values(self, entry, t):
+        check_positions(entry, t["positions"])
+
     def decode(self, entry, t):
         from ..caches.tova import TOVAKVCache
 
-        check_positions(entry, t["positions"])
+        self.check_values(entry, t)
         cache = TOVAKVCache(entry["budget"], entry["nSink"])
         return cache.adopt(t["keys"], t["values"], t["positions"], entry["offset"])
 

@@ -30,16 +30,16 @@ from ..errors import (
     SnapshotError,
     UnsupportedKindError,
 )
-from ..families import families, family_of_kind, family_of_persisted, kind_of
+from ..families import families, family_of_persisted
 from ..io import mlxbun as container
 from ..io.safetensors import ITEMSIZE
 from ..io.tensor_reader import TensorReader, check_allocation
-from ..kinds.entries import decode_entries, encode_layer, held_storage
+from ..kinds.entries import Layer, cache_layers, check_layers, decode_entries, read_layers
 from ..state.checkpoint import describe as describe_checkpoint
 from ..state.checkpoint import normalized, read_checkpoint
 from ..state.identity import RECORDED_FIELDS, UNKNOWN, Identity, check_expected, check_for_model
 from .mlxkv_header import check_position, check_tokens
-from .snapshot import Snapshot, epoch_ms, iso_time
+from .snapshot import Carried, Snapshot, epoch_ms, iso_time
 
 PROVIDER = "mlx-bun"  # the codecProvider of a translated header (docs/format.md accepts it)
 
@@ -248,20 +248,39 @@ def load_mlx_bun(
         check_for_model(where, header, model, allow_other_model)
     if check is not None:
         check(f.path, header)
-    codecs = [family_of_persisted(layer.entry["kind"]).codec for layer in layers]
-    requests = [(s, codec.capacity(layer.entry)) for layer, codec in zip(layers, codecs) for s in layer.records]
+    # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
+    by_name, attachments = _read_tensors(f, layers, True, verify, progress)
+    caches = decode_entries({"caches": [layer.entry for layer in layers]}, by_name, where)
+    del by_name
+    for cache in caches:
+        mx.eval(cache.state)
+    return MlxBunSnapshot(caches, list(header["tokens"]), header, f.path, attachments, h.header)
+
+
+def layers_mlx_bun(f: container.MlxBunFile) -> Carried:
+    """What a conversion carries out of an open mlx-bun file: every header check, every
+    tensor (hashes verified, no slack rows; rings whole as laid out), its layers
+    (``kinds.entries.read_layers``) and its attachments, no cache built."""
+    header, layers = translate(f.header)
+    by_name, attachments = _read_tensors(f, layers, False, True, None)
+    carried = read_layers(header, by_name, f.where)
+    return Carried(carried, list(header["tokens"]), header, f.path, attachments, header["mlxBun"]["createdAt"])
+
+
+def _read_tensors(f: container.MlxBunFile, layers: list, slack: bool, verify: bool, progress) -> tuple[dict, list]:
+    """(every layer's tensors by their mlxkv name, the attachments with theirs), read in one
+    pass; ``slack`` gives growing caches their restore capacity (``Codec.capacity``), else
+    every tensor is as the file holds it."""
+    h = f.header
+    rows = [family_of_persisted(layer.entry["kind"]).codec.capacity(layer.entry) if slack else None for layer in layers]
+    requests = [(s, n) for layer, n in zip(layers, rows) for s in layer.records]
     requests += [(s, None) for group in h.attachments for s in group]
     arrays = _read_arrays(f, requests, verify, progress)
-    # rings are decoded as laid out, unwritten tail included: the live ring mlx-bun had
     by_name = {
         ref["name"]: arrays.pop(s.info.name)
         for layer in layers
         for ref, s in zip(layer.entry["tensors"], layer.records)
     }
-    caches = decode_entries({"caches": [layer.entry for layer in layers]}, by_name, where)
-    del by_name
-    for cache in caches:
-        mx.eval(cache.state)
     attachments = [
         {
             "schema": raw["schema"],
@@ -270,7 +289,7 @@ def load_mlx_bun(
         }
         for raw, group in zip(h.header.get("attachments", []), h.attachments)
     ]
-    return MlxBunSnapshot(caches, list(header["tokens"]), header, f.path, attachments, h.header)
+    return by_name, attachments
 
 
 def verify_mlx_bun(f: container.MlxBunFile, progress: Callable[[int, int], None] | None = None) -> dict:
@@ -298,19 +317,19 @@ def _refuse_layer(i: int, kind, why: str):
     raise UnsupportedKindError(kind, f"layer {i}: {why}; nothing was written")
 
 
-def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
-    """(the mlx-bun header entry, its arrays in slot order) of one live cache."""
-    kind = kind_of(cache)
-    family = family_of_kind(kind)
-    persisted, codec = family.persisted, family.codec
+def _entry(i: int, layer: Layer) -> tuple[dict, list]:
+    """(the mlx-bun header entry, its arrays in slot order) of one layer."""
+    fields = layer.entry
+    persisted, codec = fields["kind"], layer.codec
     form = codec.bun
     if form is None:
         _refuse_layer(
             i,
             persisted,
-            f"mlx-bun has no codec for mlxkv's {persisted!r} caches ({kind}); it persists {', '.join(bun_codecs())}",
+            f"mlx-bun has no codec for mlxkv's {persisted!r} caches ({layer.live_kind}); it persists "
+            f"{', '.join(bun_codecs())}",
         )
-    pending = getattr(cache, "pending_conversion", None)
+    pending = fields.get("pendingConversion")
     if pending is not None:
         _refuse_layer(
             i,
@@ -318,8 +337,6 @@ def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
             f"a bf16-first cache with a pending conversion {pending}: "
             "mlx-bun files cannot record it (save after the conversion, or as mlxkv)",
         )
-    _, fields, slots = encode_layer(i, cache, tokens)
-    cache = held_storage(cache)
     for name, value in form.implied.items():
         if fields[name] != value:
             _refuse_layer(
@@ -327,25 +344,20 @@ def _entry(i: int, cache, tokens: list) -> tuple[dict, list]:
                 persisted,
                 f"{name}={fields[name]}: mlx-bun's {persisted} entries have no {name}, it is always {value} there",
             )
+    slots = layer.stored()
     names = form.slot_names(codec)
     if [s for s, _ in slots] != list(names):
         _refuse_layer(
             i, persisted, f"tensor slots {[s for s, _ in slots]}: mlx-bun's {persisted} holds exactly {list(names)}"
         )
-    if form.ring:  # mlx-bun persists the whole ring as laid out, unwritten tail included
-        arrays = [*container_arrays(cache.keys), *container_arrays(cache.values)]
-    else:
-        arrays = [a for _, a in slots]
+    # mlx-bun persists the whole ring as laid out, unwritten tail included
+    arrays = [a for _, a in (layer.held if form.ring else slots)]
     entry = {"kind": persisted, **{f: int(fields[f]) for f in form.fields(codec)}}
     entry["tensors"] = [container.new_tensor_record(a) for a in arrays]
-    floor = int(cache.minimum_reusable_offset)
+    floor = int(fields["minimumReusableOffset"])
     if floor or form.floor_at_offset:  # such an entry without it would mean "offset"
         entry["minimumReusableOffset"] = floor
     return entry, arrays
-
-
-def container_arrays(x) -> list:
-    return list(x) if isinstance(x, (tuple, list)) else [x]
 
 
 def _attachments(attachments) -> tuple[list, list]:
@@ -368,9 +380,15 @@ def _attachments(attachments) -> tuple[list, list]:
     return entries, arrays
 
 
-def save_mlx_bun(
+def save_mlx_bun(path: str, caches: Sequence, tokens: Sequence[int], **kwargs) -> dict:
+    """Write live ``caches`` as an mlx-bun cache file (``save_mlx_bun_layers`` documents the
+    keywords); returns the mlx-bun header written."""
+    return save_mlx_bun_layers(path, cache_layers(list(caches), tokens), tokens, **kwargs)
+
+
+def save_mlx_bun_layers(
     path: str,
-    caches: Sequence,
+    layers: Sequence[Layer],
     tokens: Sequence[int],
     *,
     identity: Identity = UNKNOWN,
@@ -382,17 +400,18 @@ def save_mlx_bun(
     layout: str = "whole",
     block_bytes: int = container.DEFAULT_BLOCK_BYTES,
 ) -> dict:
-    """Write ``caches`` as an mlx-bun cache file (format 3, 4 with attachments, 5 with
+    """Write ``layers`` as an mlx-bun cache file (format 3, 4 with attachments, 5 with
     ``layout="blocks"``); returns the mlx-bun header written. ``created_at`` pins
     ``createdAt`` (milliseconds, or mlxkv's ISO form). Everything is checked before the file
     is opened, and the write is atomic."""
     tokens = [int(t) for t in tokens]
-    caches = list(caches)
-    if not caches and not attachments:
+    layers = list(layers)
+    if not layers and not attachments:
         raise EmptyCacheError("nothing to save: the cache list is empty")
+    check_layers(layers, tokens)
     entries, arrays = [], []
-    for i, cache in enumerate(caches):
-        entry, a = _entry(i, cache, tokens)
+    for i, layer in enumerate(layers):
+        entry, a = _entry(i, layer)
         entries.append(entry)
         arrays += a
     att_entries, att_arrays = _attachments(attachments)

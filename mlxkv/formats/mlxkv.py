@@ -27,7 +27,7 @@ from ..io.safetensors import (
     write_atomic,
 )
 from ..io.tensor_reader import TensorReader
-from ..kinds.entries import decode_entries, encode_entries
+from ..kinds.entries import Layer, cache_layers, check_layers, decode_entries, layer_entries, read_layers
 from ..state.checkpoint import describe as describe_checkpoint
 from ..state.checkpoint import normalized
 from ..state.identity import RECORDED_FIELDS, UNKNOWN, Identity, check_expected, check_for_model
@@ -40,7 +40,7 @@ from .mlxkv_header import (  # noqa: F401 - the header constants are part of thi
     check_header,
     looks_like_a_known_key,
 )
-from .snapshot import Snapshot, human_bytes, iso_created
+from .snapshot import Carried, Snapshot, human_bytes, iso_created
 
 
 def claims(file) -> bool:
@@ -71,8 +71,13 @@ def _check_readable(base: dict, tensors) -> None:
         raise SnapshotError(f"not saved: the snapshot would not read back: {e}") from None
 
 
-def encode(
-    caches: Sequence,
+def encode(caches: Sequence, tokens: Sequence[int], **kwargs) -> tuple[dict, list[tuple[str, mx.array]]]:
+    """The snapshot of live ``caches`` in memory (``encode_layers`` documents the keywords)."""
+    return encode_layers(cache_layers(list(caches), tokens), tokens, **kwargs)
+
+
+def encode_layers(
+    layers: Sequence[Layer],
     tokens: Sequence[int],
     *,
     identity: Identity = UNKNOWN,
@@ -80,9 +85,9 @@ def encode(
     attachments: dict | None = None,
     created_at: str | int | None = None,
 ) -> tuple[dict, list[tuple[str, mx.array]]]:
-    """The snapshot of ``caches`` in memory: its mlxkv header and its (name, array) tensors.
+    """The snapshot of ``layers`` in memory: its mlxkv header and its (name, array) tensors.
 
-    The arrays are the caches' own stored rows (views, nothing copied); each tensor entry of
+    The arrays are the layers' stored rows (views, nothing copied); each tensor entry of
     the header names its slot, and ``write`` adds dtype, shape and CRC-32. ``identity`` is
     recorded as ``Identity.header_fields`` says (its ``kv_scheme`` is a prompt store's,
     docs/store.md). ``attachments``: a JSON object
@@ -100,7 +105,8 @@ def encode(
             "attachments: an mlxkv snapshot's are a JSON object of method state; these carry tensors "
             "(mlx-bun's), which it does not hold, so nothing is written rather than drop them"
         )
-    entries, tensors = encode_entries(list(caches), tokens)
+    check_layers(layers, tokens)
+    entries, tensors = layer_entries(list(layers))
     for name, a in tensors:
         check_storable(name, a)  # unsupported dtypes and ranks fail before any file is opened
     header = {
@@ -151,9 +157,15 @@ def write(
     return final["header"]
 
 
-def save_mlxkv(
+def save_mlxkv(path: str, caches: Sequence, tokens: Sequence[int], **kwargs) -> dict:
+    """Write ``caches`` and the ``tokens`` they encode to ``path`` as an mlxkv snapshot
+    (``save_mlxkv_layers`` documents the keywords); returns the header written."""
+    return save_mlxkv_layers(path, cache_layers(list(caches), tokens), tokens, **kwargs)
+
+
+def save_mlxkv_layers(
     path: str,
-    caches: Sequence,
+    layers: Sequence[Layer],
     tokens: Sequence[int],
     *,
     identity: Identity = UNKNOWN,
@@ -163,10 +175,10 @@ def save_mlxkv(
     fsync: bool = True,
     created_at: str | int | None = None,
 ) -> dict:
-    """Write ``caches`` and the ``tokens`` they encode to ``path`` as an mlxkv snapshot
-    (``encode``, then ``write``); returns the header written."""
-    header, tensors = encode(
-        caches,
+    """Write ``layers`` and the ``tokens`` they encode to ``path`` as an mlxkv snapshot
+    (``encode_layers``, then ``write``); returns the header written."""
+    header, tensors = encode_layers(
+        layers,
         tokens,
         identity=identity,
         generation_checkpoint=generation_checkpoint,
@@ -241,6 +253,14 @@ def load_mlxkv(
     for cache in caches:
         mx.eval(cache.state)  # a codec that transforms its slots does it one cache at a time
     return Snapshot(caches, list(header["tokens"]), header, path, header.get("attachments"))
+
+
+def layers_mlxkv(file: SafetensorsFile) -> Carried:
+    """What a conversion carries out of an open snapshot: every header check, every tensor
+    (checksums verified, no slack rows), its layers (``kinds.entries.read_layers``)."""
+    header, arrays = _read(file, None, True, False, None, False, None, {})
+    layers = read_layers(header, arrays, file.path)
+    return Carried(layers, list(header["tokens"]), header, file.path, header.get("attachments"))
 
 
 def verify_mlxkv(file: SafetensorsFile, progress: Callable[[int, int], None] | None = None) -> dict:

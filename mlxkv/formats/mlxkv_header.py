@@ -11,7 +11,7 @@ more than the header announces; whatever it refuses raises a :class:`SnapshotErr
 
 import re
 
-from ..caches.schemes import scheme_for_pending
+from ..caches.schemes import check_pending
 from ..checks import INT32_MAX, is_count32, is_count32_list, is_int
 from ..codecs.base import check_entry
 from ..errors import CorruptSnapshotError, FormatVersionError, MLXKVError, SnapshotError
@@ -108,7 +108,7 @@ def _check_pending(path: str, i: int, pending) -> None:
     if type(pending["scheme"]) is not str or not pending["scheme"].isascii() or not is_count32(pending["start"]):
         raise CorruptSnapshotError(f"{path}: cache entry {i}: malformed pendingConversion {str(pending)[:80]}")
     try:
-        scheme_for_pending(pending)
+        check_pending(pending)
     except MLXKVError as e:
         raise CorruptSnapshotError(f"{path}: cache entry {i}: pendingConversion names no conversion: {e}") from None
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checks import is_count, is_int_list
+from ..checks import check_ring_size, is_count, is_int_list
 from ..codecs.affine import SLOTS as AFFINE_SLOTS
+from ..codecs.affine import affine_slots
 from ..errors import (
     CacheConfigError,
     CorruptSnapshotError,
@@ -45,14 +46,13 @@ from ..errors import (
     UnknownKindError,
     UnsupportedKindError,
 )
-from ..families import kind_of
 from ..io.safetensors import SafetensorsFile, write_atomic
 from ..io.tensor_reader import TensorReader
-from ..kinds.entries import encode_entries
-from ..kinds.predicates import is_recurrent_cache
+from ..kinds.entries import Layer, cache_layers, check_holds, check_layers, layer_entries
+from ..math.affine import check_affine
 from ..state.identity import UNKNOWN, Identity
 from .mlxkv_header import META_KEY, not_a_snapshot
-from .snapshot import Snapshot
+from .snapshot import Carried
 
 TOKENS_METADATA_KEY = "tokens"
 
@@ -133,52 +133,52 @@ def _parse_layout(path: str, meta: dict[str, str]):
 
 # -- per-class state paths ------------------------------------------------------------
 # Each converter lists the state paths (relative to the layer) it needs and which of them are
-# scalars, then builds the mlxkv cache from the values (importing its class there: writing an
-# mlx-lm file, or refusing one as a snapshot, imports no live cache and nothing of mlx-lm).
+# scalars, then gives the layer's mlxkv entry and arrays (``kinds.entries.Layer``) from the
+# values, or None for a cache that holds nothing (which ``EMPTY_CACHES`` builds): no live
+# cache, so a conversion of an mlx-lm file imports nothing of mlx-lm.
 
 
 def _slice(a, n):
     return a[..., :n, :]
 
 
-def _kv(v, ctx):
-    from ..caches.plain import KVCache
+def _layer(kind: str, fields: dict, held: list) -> Layer:
+    return Layer({"kind": kind, **fields, "minimumReusableOffset": 0}, held)
 
+
+def _kv(v, ctx):
     keys, values, offset = v["0"], v["1"], v["2"]
     if keys is None or offset == 0:
-        return KVCache()
+        return None
     ctx.rows(keys, offset)
     ctx.rows(values, offset)
-    return KVCache().adopt(_slice(keys, offset), _slice(values, offset), offset)
+    return _layer("kv", {"offset": offset}, [("keys", _slice(keys, offset)), ("values", _slice(values, offset))])
 
 
 def _quantized(v, ctx):
-    from ..caches.quantized import QuantizedKVCache
-
     offset, group, bits = v["2"], v["3"], v["4"]
     try:
-        cache = QuantizedKVCache(group_size=group, bits=bits)
+        check_affine(bits, group)
     except CacheConfigError as e:
         raise SnapshotError(f"{ctx.where}: {e}") from None
     keys = tuple(v[f"0.{j}"] for j in range(3))
     values = tuple(v[f"1.{j}"] for j in range(3))
     if keys[0] is None or offset == 0:
-        return cache
+        return None
     for a in keys + values:
         ctx.rows(a, offset)
-    return cache.adopt(tuple(_slice(a, offset) for a in keys), tuple(_slice(a, offset) for a in values), offset)
+    held = affine_slots(keys, values, offset)
+    return _layer("qkv", {"offset": offset, "groupSize": group, "bits": bits}, held)
 
 
 def _rotating(v, ctx):
-    from ..caches.rotating import RotatingKVCache
-
     keys, values, offset, keep, max_size, idx = (v[str(j)] for j in range(6))
     try:
-        cache = RotatingKVCache(max_size, keep)
+        check_ring_size(max_size, keep)
     except CacheConfigError as e:
         raise SnapshotError(f"{ctx.where}: {e}") from None
     if keys is None or offset == 0:
-        return cache
+        return None
     rows = keys.shape[2]
     if keys.ndim != 4 or values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
         raise CorruptSnapshotError(
@@ -189,19 +189,53 @@ def _rotating(v, ctx):
             f"{ctx.where}: ring of {rows} rows with offset={offset} idx={idx} max_size={max_size} "
             "is not a ring mlx-lm writes"
         )
-    return cache.adopt(keys, values, offset, idx)
+    fields = {"offset": offset, "idx": idx, "maxSize": max_size, "keep": keep}
+    return _layer("rotating", fields, [("keys", keys), ("values", values)])
 
 
 def _arrays(v, ctx):
-    from ..caches.arrays import ArraysCache
-
     if v.get("1") is not None or v.get("2") is not None:
         raise SnapshotError(
             f"{ctx.where}: a batched ArraysCache (left_padding or lengths set) cannot be "
             "converted: save a single-sequence cache"
         )
     size = ctx.list_size("0")
-    return ArraysCache(size).adopt([v.get(f"0.{j}") for j in range(size)], 0)
+    held = [(str(j), a) for j in range(size) if (a := v.get(f"0.{j}")) is not None]
+    # the offset is the tokens' (recurrent state records none): set once they are known
+    return _layer("ssm", {"offset": 0, "size": size}, held) if held else None
+
+
+def _empty_kv(v):
+    from ..caches.plain import KVCache
+
+    return KVCache()
+
+
+def _empty_quantized(v):
+    from ..caches.quantized import QuantizedKVCache
+
+    return QuantizedKVCache(group_size=v["3"], bits=v["4"])
+
+
+def _empty_rotating(v):
+    from ..caches.rotating import RotatingKVCache
+
+    return RotatingKVCache(v["4"], v["3"])
+
+
+def _empty_arrays(v):
+    from ..caches.arrays import ArraysCache
+
+    return ArraysCache(len([k for k in v if k.startswith("0.")]))
+
+
+#: the cache ``read_prompt_cache`` gives for a layer that holds nothing, by class
+EMPTY_CACHES: dict[str, Callable] = {
+    "KVCache": _empty_kv,
+    "QuantizedKVCache": _empty_quantized,
+    "RotatingKVCache": _empty_rotating,
+    "ArraysCache": _empty_arrays,
+}
 
 
 CONVERTERS: dict[str, Callable] = {
@@ -275,10 +309,11 @@ def read_prompt_cache(path: str, tokens: Sequence[int] | None = None) -> PromptC
     the caches cover; without either, ``tokens`` is None in the result.
     """
     with SafetensorsFile(path) as file:  # one descriptor for the header and every tensor
-        return _read_prompt_cache(file, tokens)
+        r = _read_prompt_cache(file, tokens)
+    return PromptCacheFile(r.caches(), r.tokens, r.metadata, r.classes, r.offset, r.path, r.scalars)
 
 
-def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> PromptCacheFile:
+def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> "_Read":
     path, st = file.path, file.header
     user, classes, scalars = _parse_layout(path, st.metadata)
 
@@ -303,9 +338,7 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> P
             if f"{i}.{p}" not in scalars:
                 raise CorruptSnapshotError(f"{path}: layer {i} ({cls}) state entry {p} is not a scalar")
 
-    from ..caches.masks import ForwardMasks
-
-    caches, masks, found_scalars = [], ForwardMasks(), {}
+    layers, empty, found_scalars = [], {}, {}
     arrays = TensorReader(file).read_all((name, None, None) for name in st.tensors)  # one pass over the file
     for i, cls in enumerate(classes):
         ctx = _LayerContext(path, i, cls, per_layer[i])
@@ -322,11 +355,15 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> P
         for p in SCALAR_PATHS[cls]:
             if not is_count(values[p]):
                 raise CorruptSnapshotError(f"{ctx.where}: state entry {p} must be a non-negative integer")
-        cache = CONVERTERS[cls](values, ctx)
-        cache.masks = masks
-        caches.append(cache)
+        layer = CONVERTERS[cls](values, ctx)
+        if layer is None:
+            empty[i] = values
+        layers.append(layer)
 
-    offsets = {c.offset for c in caches if not is_recurrent_cache(c)}
+    positional = [
+        (layer.entry["offset"] if layer else 0) for layer, cls in zip(layers, classes) if cls != "ArraysCache"
+    ]
+    offsets = set(positional)
     if len(offsets) > 1:
         raise CorruptSnapshotError(f"{path}: the caches disagree on their offset ({sorted(offsets)})")
     offset = offsets.pop() if offsets else None
@@ -342,10 +379,41 @@ def _read_prompt_cache(file: SafetensorsFile, tokens: Sequence[int] | None) -> P
         offset = len(tokens) if tokens is not None else 0
     if tokens is not None and len(tokens) != offset:
         raise MissingTokensError(f"{path}: the caches cover {offset} positions but {len(tokens)} tokens were given")
-    for c in caches:
-        if is_recurrent_cache(c):
-            c.offset = offset
-    return PromptCacheFile(caches, tokens, user, classes, offset, path, found_scalars)
+    for layer, cls in zip(layers, classes):
+        if layer is not None and cls == "ArraysCache":
+            layer.entry["offset"] = offset
+    return _Read(layers, empty, tokens, user, classes, offset, path, found_scalars)
+
+
+@dataclass
+class _Read:
+    """An mlx-lm file as read: a layer per cache (None: it holds nothing; ``empty`` has its
+    state values by index), before any cache is built."""
+
+    layers: list
+    empty: dict
+    tokens: list[int] | None
+    metadata: dict[str, str]
+    classes: list[str]
+    offset: int
+    path: str
+    scalars: dict
+
+    def caches(self) -> list:
+        """The layers as mlxkv caches (one shared masks object)."""
+        from ..caches.masks import ForwardMasks
+
+        masks, caches = ForwardMasks(), []
+        for i, (layer, cls) in enumerate(zip(self.layers, self.classes)):
+            if layer is None:
+                cache = EMPTY_CACHES[cls](self.empty[i])
+                if cls == "ArraysCache":
+                    cache.offset = self.offset
+            else:
+                cache = layer.codec.decode(layer.entry, dict(layer.held))
+            cache.masks = masks
+            caches.append(cache)
+        return caches
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -376,8 +444,9 @@ def refuse(file, *args, **kwargs):
     raise not_a_snapshot(file.path)
 
 
-def convert_source(file: SafetensorsFile, tokens: Sequence[int] | None) -> Snapshot:
-    """What a conversion takes from an open mlx-lm prompt-cache file: its caches, the tokens
+def convert_source(file: SafetensorsFile, tokens: Sequence[int] | None) -> Carried:
+    """What a conversion takes from an open mlx-lm prompt-cache file: its layers (no live
+    cache is built; one that holds nothing is refused, as a save refuses it), the tokens
     they cover (``tokens``, else the file's ``tokens`` metadata; with neither the conversion
     is refused rather than write tokens that could make a prefix match lie) and the model id
     ``mlx_lm.cache_prompt`` records (``model``)."""
@@ -389,7 +458,9 @@ def convert_source(file: SafetensorsFile, tokens: Sequence[int] | None) -> Snaps
             "(convert_prompt_cache(..., tokens=ids), or `mlxkv convert SRC DST --tokens "
             "1,2,3` / `--tokens @ids.json`)"
         )
-    return Snapshot(pc.caches, pc.tokens, {"modelId": pc.metadata.get("model", "")}, pc.path)
+    for i in pc.empty:
+        check_holds(i, pc.classes[i], True, None, pc.tokens)
+    return Carried(pc.layers, pc.tokens, {"modelId": pc.metadata.get("model", "")}, pc.path)
 
 
 # -- writing --------------------------------------------------------------------------
@@ -423,8 +494,8 @@ WHAT_TO_DO = (
 )
 
 
-def _refuse(cache, i: int, why: str):
-    kind = kind_of(cache)
+def _refuse(layer: Layer, i: int, why: str):
+    kind = layer.live_kind
     raise UnsupportedKindError(
         kind,
         f"layer {i} ({kind}): {why}, so mlx-lm's prompt-cache files cannot hold it; nothing was written: " + WHAT_TO_DO,
@@ -442,9 +513,15 @@ def _scalar_array(path: str, value, scalars: list):
     return mx.array(value)
 
 
-def save_mlx_lm(
+def save_mlx_lm(path: str, caches: Sequence, tokens: Sequence[int], **kwargs) -> dict:
+    """Write live ``caches`` as an mlx-lm prompt-cache file (``save_mlx_lm_layers`` documents
+    the keywords)."""
+    return save_mlx_lm_layers(path, cache_layers(list(caches), tokens), tokens, **kwargs)
+
+
+def save_mlx_lm_layers(
     path: str,
-    caches: Sequence,
+    layers: Sequence[Layer],
     tokens: Sequence[int],
     *,
     identity: Identity = UNKNOWN,
@@ -454,13 +531,14 @@ def save_mlx_lm(
     fsync: bool = True,
     created_at=None,
 ) -> dict:
-    """Write ``caches`` as an mlx-lm prompt-cache file ``mlx_lm.models.cache.load_prompt_cache``
+    """Write ``layers`` as an mlx-lm prompt-cache file ``mlx_lm.models.cache.load_prompt_cache``
     loads; returns ``{"tokens", "caches" (the entries), "classes", "metadata"}``. A kind mlx-lm
     has no class of, a pending bf16-first conversion, a generation checkpoint or attachments
     are refused before anything is written (the file has no place for them). The write is
     atomic."""
-    tokens, caches = [int(t) for t in tokens], list(caches)
-    entries, tensors = encode_entries(caches, tokens)
+    tokens, layers = [int(t) for t in tokens], list(layers)
+    check_layers(layers, tokens)
+    entries, tensors = layer_entries(layers)
     if generation_checkpoint is not None or attachments:
         what = "a generation checkpoint" if generation_checkpoint is not None else "attachments"
         raise SnapshotError(
@@ -473,9 +551,9 @@ def save_mlx_lm(
         if "pendingConversion" in entry:
             pending = entry["pendingConversion"]
             why = f"a bf16-first cache (pending conversion {pending}) converts at its start, which no mlx-lm cache does"
-            _refuse(caches[i], i, why)
+            _refuse(layers[i], i, why)
         if kind not in MLX_LM_FORMS:
-            _refuse(caches[i], i, NO_MLX_LM_FORM.get(kind, f"mlx-lm has no cache class for mlxkv's {kind!r}"))
+            _refuse(layers[i], i, NO_MLX_LM_FORM.get(kind, f"mlx-lm has no cache class for mlxkv's {kind!r}"))
         cls, state = MLX_LM_FORMS[kind]
         slots = {t["slot"]: arrays[t["name"]] for t in entry["tensors"]}
         states.append(state(entry, slots))

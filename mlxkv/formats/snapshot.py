@@ -33,6 +33,29 @@ class Snapshot:
         return self.header.get("createdAt")
 
 
+@dataclass
+class Carried:
+    """What a conversion carries from a file to another format's writer: its layers
+    (``kinds.entries.Layer``: entries and arrays, no live cache), the tokens they encode, the
+    checked mlxkv header (identity, checkpoint), the attachments and the creation time as the
+    file records them."""
+
+    layers: list
+    tokens: list[int]
+    header: dict
+    path: str = ""
+    attachments: object = None
+    created_at: object = None
+
+    def __post_init__(self):
+        if self.created_at is None:
+            self.created_at = self.header.get("createdAt")
+
+    @property
+    def generation_checkpoint(self) -> dict | None:
+        return self.header.get("generationCheckpoint")
+
+
 def iso_time(ms: int) -> str:
     """The ISO form of ``ms``: whole seconds as ``YYYY-MM-DDTHH:MM:SSZ``, else with the
     milliseconds (``...:SS.123Z``), so an mlx-bun time survives a round trip through mlxkv."""

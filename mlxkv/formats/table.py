@@ -22,7 +22,7 @@ from ..io.safetensors import SafetensorsFile
 from ..io.tensor_file import TensorFile
 from ..state.identity import Identity
 from . import mlxbun, mlxkv, mlxlm
-from .snapshot import Snapshot
+from .snapshot import Carried, Snapshot
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,13 @@ class Format:
     load: Callable[..., Snapshot]
     verify: Callable[[TensorFile, Callable | None], dict]
     describe: Callable[[TensorFile], tuple[list, list, list]]
-    #: ``(file, tokens) -> Snapshot``: what a conversion carries out of the file; ``tokens``
-    #: only for a format that does not record them
-    convert_source: Callable[[TensorFile, Sequence[int] | None], Snapshot]
+    #: ``(file, tokens) -> Carried``: what a conversion carries out of the file (its layers,
+    #: no live cache); ``tokens`` only for a format that does not record them
+    convert_source: Callable[[TensorFile, Sequence[int] | None], Carried]
     #: ``save(path, caches, tokens, *, identity, ..., created_at) -> header``; None: read only
     save: Callable[..., dict] | None = None
+    #: ``save`` of layers (``kinds.entries.Layer``) instead of live caches: a conversion's writer
+    save_layers: Callable[..., dict] | None = None
 
 
 def _records_tokens(load):
@@ -67,8 +69,9 @@ FORMATS = (
         load=mlxbun.load_mlx_bun,
         verify=mlxbun.verify_mlx_bun,
         describe=mlxbun.describe_mlx_bun,
-        convert_source=_records_tokens(mlxbun.load_mlx_bun),
+        convert_source=_records_tokens(mlxbun.layers_mlx_bun),
         save=mlxbun.save_mlx_bun,
+        save_layers=mlxbun.save_mlx_bun_layers,
     ),
     Format(
         name="mlxkv",
@@ -78,8 +81,9 @@ FORMATS = (
         load=mlxkv.load_mlxkv,
         verify=mlxkv.verify_mlxkv,
         describe=mlxkv.describe_mlxkv,
-        convert_source=_records_tokens(mlxkv.load_mlxkv),
+        convert_source=_records_tokens(mlxkv.layers_mlxkv),
         save=mlxkv.save_mlxkv,
+        save_layers=mlxkv.save_mlxkv_layers,
     ),
     Format(
         name="mlx-lm",  # any other safetensors file: read as mlx-lm's prompt cache when converted
@@ -91,6 +95,7 @@ FORMATS = (
         describe=mlxlm.refuse,
         convert_source=mlxlm.convert_source,
         save=mlxlm.save_mlx_lm,
+        save_layers=mlxlm.save_mlx_lm_layers,
     ),
 )
 
@@ -223,7 +228,7 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _converted(source: Callable[[], Snapshot], src: str, dst: str, to: str | None, progress, identity) -> dict:
+def _converted(source: Callable[[], Carried], src: str, dst: str, to: str | None, progress, identity) -> dict:
     """Write what ``source()`` takes from ``src`` as format ``to`` at ``dst`` (None: the one
     ``dst``'s extension names, :func:`format_for`): the same caches, tokens, identity
     (``identity`` overrides fields), checkpoint, attachments and creation time. Everything
@@ -234,10 +239,10 @@ def _converted(source: Callable[[], Snapshot], src: str, dst: str, to: str | Non
             f"{dst}: is the file being converted ({src}): writing there would replace the source; "
             "choose another destination"
         )
-    snap = source()
-    return target.save(
+    snap = source()  # the layers as read: no live cache is built (nor mlx-lm imported)
+    return target.save_layers(
         dst,
-        snap.caches,
+        snap.layers,
         snap.tokens,
         identity=Identity.from_header(snap.header).replace(**identity),
         generation_checkpoint=snap.generation_checkpoint,

@@ -43,7 +43,7 @@ AFFINE = Family(
     rows=Deferred("mlxkv.batched.formats:affine_rows"),
     decode_step=Deferred("mlxkv.caches.step_builders:affine_decode_step"),
     batched_decode_step=BATCHED_ATTENTION_STEP,
-    scheme=(names.AFFINE_SCHEME, Deferred("mlxkv.caches.quantized:affine_scheme")),
+    scheme=(names.AFFINE_SCHEME, Deferred("mlxkv.caches.quantizing_schemes:affine_scheme")),
 )
 RING = Family(
     kind=names.RING_KIND,
@@ -72,7 +72,7 @@ TURBO = Family(
     rows=Deferred("mlxkv.batched.formats:turbo_rows"),
     decode_step=Deferred("mlxkv.caches.step_builders:turbo_decode_step"),
     batched_decode_step=BATCHED_ATTENTION_STEP,
-    scheme=(names.TURBO_SCHEME, Deferred("mlxkv.caches.turboquant:turbo_scheme")),
+    scheme=(names.TURBO_SCHEME, Deferred("mlxkv.caches.quantizing_schemes:turbo_scheme")),
 )
 TOVA = Family(
     kind=names.TOVA_KIND_PREFIX,
