@@ -76,6 +76,9 @@ def qfilters_scheme(budget: int) -> str:
     return f"qfilters-b{budget}-s{SINKS}-r{budget // 4}"
 
 
+FAMILIES = ("kv", "turbo", "tova", "qfilters-calibrated", "qfilters-fallback", "window")
+
+
 def grid(reduced: bool = False, kv_bits=KV_BITS, pairs=TURBO_PAIRS, budgets=BUDGETS) -> list[Case]:
     """bf16 first (the reference), then each family over its settings; budgets in the order
     given, the four budgeted families side by side at each."""
@@ -235,6 +238,7 @@ def main(argv=None):
     ap.add_argument("--kv-bits", type=int, nargs="+", help="--model: the kv schemes' bits (default: 2 4 8)")
     ap.add_argument("--turbo-pairs", nargs="+", metavar="K,V", help="--model: TurboQuant pairs (2,2 4,2 4,4)")
     ap.add_argument("--budgets", type=int, nargs="+", help="--model: eviction budgets (default: 64 256 1024)")
+    ap.add_argument("--families", nargs="+", choices=FAMILIES, help="--model: only these (and bf16, the reference)")
     ap.add_argument("--n-text", type=int)
     ap.add_argument("--n-recall", type=int)
     ap.add_argument("--jobs", type=int, default=1, help="processes to split the grid over")
@@ -253,6 +257,8 @@ def main(argv=None):
             overrides["turbo_pairs"] = tuple(tuple(int(b) for b in p.split(",")) for p in args.turbo_pairs)
         if args.budgets:
             overrides["budgets"] = tuple(args.budgets)
+        if args.families:
+            overrides["families"] = tuple(args.families)
         return real.main(args.model, overrides, args.out, tuple(args.parts or real.PARTS), args.resume)
     settings = REDUCED if args.reduced else Settings()
     overrides = {

@@ -78,6 +78,7 @@ class RealSettings:
     turbo_pairs: tuple = ((2, 2), (4, 2), (4, 4))
     budgets: tuple = (64, 256, 1024)
     passkey_quantizers: tuple = ("kv2", "kv4", "turbo-k2v2", "turbo-k4v2")
+    families: tuple = ()  # the grid's families to run (bf16, the reference, always); () = all
     extra: dict = field(default_factory=dict)
 
 
@@ -248,6 +249,8 @@ def grid_candidates(settings, calibration) -> list:
     from .__main__ import grid
 
     cases = grid(kv_bits=settings.kv_bits, pairs=settings.turbo_pairs, budgets=settings.budgets)
+    if settings.families:
+        cases = [c for c in cases if c.family == "bf16" or c.family in settings.families]
     budgets = sorted(settings.budgets)
     middle = budgets[len(budgets) // 2]
 
