@@ -153,6 +153,25 @@ def canonical_scheme(scheme: str, max_kv_size: int | None = None, **options) -> 
     return parsed.name + "".join(f"+{k}={held[k]}" for k in sorted(held))
 
 
+def codes_read(model, scheme: str, codes: bool | None) -> bool:
+    """Whether a scheme with a codes read (TurboQuant's ``codes``) reads codes on ``model``:
+    ``codes`` as given, or, unset, whether the model's attention hands the window straight
+    to mlx-lm's SDPA (``mlxkv.caches.attention_sites``); else the decoded window. ``codes=True``
+    on a model whose attention reads the window as arrays or passes sinks is refused: it
+    would fail at the first decode."""
+    from .attention_sites import window_reader
+
+    if codes is not None and not codes:
+        return False
+    reason = window_reader(model)
+    if codes and reason:
+        raise SchemeError(
+            f"scheme {scheme!r} with codes=True: this model's attention needs the decoded window ({reason}); "
+            "leave codes unset (mlxkv then reads the decoded window for this model) or give codes=False"
+        )
+    return reason is None
+
+
 def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **options) -> list:
     """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
 
@@ -184,6 +203,8 @@ def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **op
 
     heads, dim = attention_geometry(model)
     layer_options = {"n_kv_heads": heads, "head_dim": dim, **options}  # builders check against it
+    if "codes" in parsed.options:
+        layer_options["codes"] = codes_read(model, scheme, options.get("codes"))
     masks = ForwardMasks()
     caches, warned = [], False
     for i, t in enumerate(template):
