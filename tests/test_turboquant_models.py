@@ -189,3 +189,41 @@ def test_the_seeded_models_route_the_window(name):
 
 def test_sinks_need_the_decoded_window():
     assert "sinks" in window_reader(build(ARRAY_READERS["gpt_oss"]))
+
+
+def _continued(model, caches, token: int, steps: int = 3) -> list:
+    return [x.tolist() for x in logits_per_step(model, caches, [token], steps)]
+
+
+@pytest.mark.parametrize("scheme", ["turbo-k8v3", "turbo-k8v3-start32"])
+def test_a_restore_on_the_model_reads_as_make_cache_does(tmp_path, scheme):
+    """A snapshot does not record the read: restored on a model whose attention reads the
+    window itself (stablelm), a TurboQuant cache, or a pending conversion to one that
+    converts after the restore, reads the decoded window and continues as the live caches
+    do; restored without the model it reads codes."""
+    model = build(ARRAY_READERS["stablelm"])
+    prompt = list(range(3, 23))
+    live = mlxkv.make_cache(model, scheme)
+    model(mx.array([prompt]), cache=live)
+    path = str(tmp_path / "s.mlxkv")
+    mlxkv.save(path, live, prompt, model=model)
+    restored = mlxkv.load(path, model=model).caches
+    assert _continued(model, restored, 7, 16) == _continued(model, live, 7, 16)  # past start 32
+    held = [c.inner if isinstance(c, Bf16FirstCache) else c for c in restored]
+    assert {c.codes for c in held if hasattr(c, "codes")} == {False}
+    bare = [c.inner if isinstance(c, Bf16FirstCache) else c for c in mlxkv.load(path).caches]
+    if scheme == "turbo-k8v3":
+        assert {c.codes for c in bare if hasattr(c, "codes")} == {True}
+
+
+def test_a_store_hit_reads_as_make_cache_does():
+    model = build(ARRAY_READERS["stablelm"])
+    prompt = list(range(3, 23))
+    live = mlxkv.make_cache(model, "turbo-k8v3")
+    model(mx.array([prompt]), cache=live)
+    store = mlxkv.PromptStore(model, None, cap=1 << 26, scheme="turbo-k8v3")
+    store.put(prompt, live)
+    hit = store.take(prompt + [7])
+    assert hit is not None and hit.prefix_len == len(prompt)
+    assert {c.codes for c in hit.caches if hasattr(c, "codes")} == {False}
+    assert _continued(model, hit.caches, 7) == _continued(model, live, 7)

@@ -172,6 +172,34 @@ def codes_read(model, scheme: str, codes: bool | None) -> bool:
     return reason is None
 
 
+def fit_reads(model, caches: list, codes: bool | None = None) -> list:
+    """Give restored ``caches`` the read ``make_cache(model, ...)`` gives a new cache: a
+    snapshot does not record how a cache is read (TurboQuant's ``codes``: a property of the
+    model's attention, :func:`codes_read`), so a cache restored without its model reads
+    codes. On ``model`` every TurboQuant cache, and every pending conversion to one, reads as
+    ``codes_read(model, ..., codes)`` says. Returns ``caches``."""
+    from .transition import Bf16FirstCache
+    from .turboquant import TurboQuantKVCache
+
+    def held(c):
+        return c.inner if isinstance(c, Bf16FirstCache) else c
+
+    pending = [
+        c
+        for c in caches
+        if isinstance(c, Bf16FirstCache) and not c.converted and "codes" in check_pending(c.pending_conversion).options
+    ]
+    quantized = [c for c in caches if isinstance(held(c), TurboQuantKVCache)]
+    if not pending and not quantized:
+        return caches
+    flag = codes_read(model, "restored TurboQuant caches", codes)
+    for c in quantized:
+        held(c).codes = flag
+    for c in pending:
+        c.pending = scheme_for_pending(c.pending_conversion, {"codes": flag})
+    return caches
+
+
 def make_cache(model, scheme: str = "bf16", max_kv_size: int | None = None, **options) -> list:
     """Build one mlxkv cache per layer; every cache shares one ``ForwardMasks``.
 

@@ -201,12 +201,18 @@ def load(
     compared exactly. ``check(path, header)``, if given, runs after every header check and
     before any tensor is read (raise to refuse). ``verify`` checks every tensor's checksum
     as it is read. The file is opened once: a snapshot renamed over ``path`` meanwhile is
-    never mixed with the one being read.
+    never mixed with the one being read. Restored on ``model``, TurboQuant caches read as
+    ``make_cache(model, ...)`` reads them (``fit_reads``).
     """
     with open_container(path) as file:
-        return format_of(file).load(
+        snap = format_of(file).load(
             file, model, verify=verify, progress=progress, allow_other_model=allow_other_model, check=check, **expect
         )
+    if model is not None:
+        from ..caches.schemes import fit_reads  # the model's attention decides the read
+
+        fit_reads(model, snap.caches)
+    return snap
 
 
 def verify(path: str, progress: Callable[[int, int], None] | None = None) -> dict:

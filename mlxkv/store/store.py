@@ -127,6 +127,7 @@ class PromptStore:
         if directory is not None:
             check_directory(directory)
         self.model = model
+        self._codes = (cache_options or {}).get("codes")  # make_cache's read option, for restores
         self._policy = retention_policy(retention)
         self._cap = cap
         self.block = block_tokens
@@ -505,7 +506,17 @@ class PromptStore:
                 self._policy.on_lend(entry, p)
             self._counts["reused_tokens"] += p
         tier.health.count("hits")
-        return Hit(entry.lend(p), p, tier.name, entry.header.get("attachments"))
+        return Hit(self._lent(entry, p), p, tier.name, entry.header.get("attachments"))
+
+    def _lent(self, entry: Entry, p: int) -> list:
+        """``entry``'s first ``p`` positions as caches read as the store's model reads them
+        (``fit_reads``: a snapshot does not record the read)."""
+        caches = entry.lend(p)
+        if self.model is None:
+            return caches
+        from ..caches.schemes import fit_reads
+
+        return fit_reads(self.model, caches, self._codes)
 
     def _read(self, tier: Tier, query: Query, better: int):
         """(entry, p, tier) of ``tier``'s best prefix longer than ``better``, or None. A
@@ -576,7 +587,7 @@ class PromptStore:
                 continue
             if e.arrays is None:
                 self._promote(source, [])
-            caches = source.lend(len(source.tokens))
+            caches = self._lent(source, len(source.tokens))
             return Session.resume(self.model, caches, source.header, where="prompt store", **resume)
         return None
 
