@@ -18,20 +18,24 @@ different times. Per scheme:
 With ``--model NAME`` (a fetched real model, ``--dtype``): 16 real chat requests instead, each
 a user turn through the model's chat template (questions alone, and questions about a passage
 of 1 to 12 paragraphs: SmolLM2 reads 36 to 643 prompt tokens), ``--new`` tokens each (spread over
-1x-2x). ``--serial kv4`` also runs every request alone through ``mlx_lm.generate``'s
-``generate_step``, mlxkv's ``kv4`` against mlx-lm's own ``QuantizedKVCache`` (``kv_bits=4``,
-from token zero), which has no batched form in mlx-lm's engine.
+1x-2x). ``--serial kv4,kv4-start0`` also runs every request alone through ``mlx_lm.generate``'s
+``generate_step``, mlxkv's scheme against mlx-lm's own cache of it, which has no batched
+form in mlx-lm's engine: ``kv4`` against mlx-lm's ``QuantizedKVCache`` as the prompt cache
+(quantized from token zero, the prompt attended quantized), ``kv4-start0`` against
+``kv_bits=4, quantized_kv_start=0`` (the prompt attended in the model's dtype, quantized
+after it: what mlx-lm's ``kv_bits`` does).
 
 Repeats are interleaved (the scheme order rotates each repeat); medians and min-max are
 reported. The machine may be shared: ratios are what to read, taken within one repeat.
 
 Run: ``python -m benchmarks.serving [--repeats 3] [--schemes bf16,kv4,turbo-k8v3,bf16+compiled]
-[--model smollm2-135m --dtype float32 --new 32 --serial kv4]`` (writes
+[--model smollm2-135m --dtype float32 --new 32 --serial kv4,kv4-start0]`` (writes
 benchmarks/results/serving.json; ``--out`` elsewhere).
 """
 
 import argparse
 import math
+import re
 import time
 
 from mlx_lm.generate import BatchGenerator, generate_step
@@ -67,7 +71,11 @@ def cache_bytes(layers) -> tuple[int, int, int, int]:
     """(bytes, rows, bytes if every allocated column cost bytes_per_token, ... of the widest row's tokens)."""
     if not layers:
         return 0, 0, 0, 0
-    rows = len(layers[0].offset.tolist()) if hasattr(layers[0].offset, "tolist") else 1
+    # the offset's shape, never its values: reading them would wait for the step in flight
+    # (mlx-lm's engine evaluates each decode step asynchronously), outside every timer, and
+    # only for the caches whose offset is the result of a step (mlx-lm's)
+    offset = layers[0].offset
+    rows = offset.shape[0] if hasattr(offset, "shape") and offset.ndim else 1
     total = sum(c.nbytes for c in layers)
     columns = tokens = 0
     for c in layers:
@@ -130,13 +138,30 @@ def run(model, scheme, reqs, wave=4, every=16):
     }
 
 
-SERIAL_MLX_LM = {"kv4": {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0}}
+AFFINE = re.compile(r"kv(?P<bits>\d+)(?:-g(?P<group>\d+))?(?:-start(?P<start>\d+))?")
+
+
+def mlx_lm_serial_options(model, scheme: str) -> dict:
+    """``generate_step`` options giving mlx-lm's own cache of an affine ``scheme``:
+    ``kv4`` (quantized from token zero: the prompt is attended through the quantized SDPA
+    too) is mlx-lm's ``QuantizedKVCache`` given as the prompt cache; ``kv4-start<N>`` is
+    ``kv_bits=4, quantized_kv_start=N``, which attends the prompt chunk that reaches N in
+    the model's dtype and quantizes after it (``kv4-start0``: the whole first chunk)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    m = AFFINE.fullmatch(scheme)
+    if m is None:
+        raise SystemExit(f"--serial {scheme}: only kv<bits>[-g<group>][-start<N>] schemes have an mlx-lm twin")
+    bits, group = int(m["bits"]), int(m["group"] or 64)
+    if m["start"] is None:
+        return {"prompt_cache": [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]}
+    return {"kv_bits": bits, "kv_group_size": group, "quantized_kv_start": int(m["start"])}
 
 
 def serial_run(model, scheme, reqs):
     """Every request alone through ``generate_step``: mlxkv's ``scheme`` (``scheme``) or
-    mlx-lm's own cache of it (``mlx-lm:scheme``: the ``generate_step`` options of
-    ``SERIAL_MLX_LM``). Tokens per second over the whole run, and the tokens."""
+    mlx-lm's own cache of it (``mlx-lm:scheme``: ``mlx_lm_serial_options``). Tokens per
+    second over the whole run, and the tokens."""
     import mlx.core as mx
 
     base = scheme.removeprefix(MLX_LM + ":")
@@ -146,7 +171,7 @@ def serial_run(model, scheme, reqs):
         if scheme == base:
             options = {"prompt_cache": mlxkv.make_cache(model, scheme)}
         else:
-            options = SERIAL_MLX_LM[base]
+            options = mlx_lm_serial_options(model, base)
         tokens.append([int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, **options)])
     wall = time.perf_counter() - t0
     return {"tokens_per_s": sum(map(len, tokens)) / wall, "tokens": tokens}

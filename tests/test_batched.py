@@ -295,6 +295,27 @@ def test_bf16_first_rows_join_before_their_start(models):
         assert all(mx.array_equal(a, b[..., : a.shape[2], :]) for a, b in pairs)
 
 
+def test_the_layers_of_a_batch_share_one_append_plan_and_offsets(models):
+    """The plan and the next offsets are computed once per forward: after a decode step every
+    layer holds the same ``Columns`` and offset arrays, and the step gives the tokens of the
+    rows' serial caches."""
+    model = models("llama")
+    rows = [make_cache(model, "bf16") for _ in range(3)]
+    for n, r in zip(LENS, rows):
+        model(mx.array(prompt(n))[None], cache=r)
+    serial = [
+        model(mx.array([[7]]), cache=r)[0, -1]
+        for r in [mlxkv.extract_model_row(mlxkv.merge_model_rows(rows), i) for i in range(3)]
+    ]
+    batch = mlxkv.merge_model_rows(rows)
+    out = model(mx.array([[7], [7], [7]]), cache=batch)
+    for b in batch[1:]:
+        assert b.cols is batch[0].cols and b.offsets is batch[0].offsets and b.offset is batch[0].offset
+    assert batch[0].offsets.tolist() == [n + 1 for n in LENS]
+    for i, s in enumerate(serial):
+        assert mx.argmax(out[i, -1]).item() == mx.argmax(s).item()
+
+
 def test_one_mask_per_forward_shared_with_the_rows(models):
     model = models("gemma3")
     rows = [make_cache(model, "bf16") for _ in range(3)]

@@ -33,6 +33,8 @@ from .columns import (
     visibility_mask,
 )
 
+_NOT_QUANTIZED = "{}: these rows are not read as a quantized window (plain, ring or eviction rows)"
+
 
 class MlxLmRowSurgery:
     """mlx-lm's names for a batch's row surgery (its ``BatchGenerator`` calls these); methods,
@@ -115,17 +117,18 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         return cut(self.key_arrays), cut(self.value_arrays)
 
     # mlx-lm takes its quantized SDPA on hasattr(cache, "bits"): shown by rows whose window is
-    # a quantized window (affine triples, TurboQuant codes)
+    # a quantized window (affine triples, TurboQuant codes); asked by every layer at every
+    # step, so the refusal's message is a constant (no kind formatted)
     @property
     def bits(self) -> int:
         if not self.fmt.storage.quantized_window:
-            raise AttributeError(f"bits: {self.kind} rows are not read as a quantized window")
+            raise AttributeError(_NOT_QUANTIZED.format("bits"))
         return self.fmt.storage.bits
 
     @property
     def group_size(self) -> int:
         if not self.fmt.storage.quantized_window:
-            raise AttributeError(f"group_size: {self.kind} rows are not read as a quantized window")
+            raise AttributeError(_NOT_QUANTIZED.format("group_size"))
         return self.fmt.storage.group_size
 
     # -- mlx-lm's right-padded prefill ----------------------------------------------------
@@ -148,17 +151,24 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
     def finalize(self):
         self._remaining = None
 
-    def _real_counts(self, N: int) -> np.ndarray:
-        """Tokens of an N-token append that are each row's own (the rest is padding)."""
-        full = np.full(self.batch_size, N, dtype=np.int64)
+    def _real_counts(self, N: int) -> np.ndarray | None:
+        """Tokens of an N-token append that are each row's own (the rest is padding); None
+        outside a padded prefill: all N, for every row."""
         if self._remaining is None:
-            return full
-        real = np.minimum(self._remaining, full)
+            return None
+        real = np.minimum(self._remaining, np.int64(N))
         self._remaining = self._remaining - real
         return real
 
     # -- the append plan ----------------------------------------------------------------
     def _plan(self, N: int) -> _Plan:
+        """The append plan: a function of the layout, the capacity and N only, so it is
+        computed once per forward for every layer of a batch (which then share its
+        ``Columns``: each derives its counts and key once)."""
+        key = ("plan", self.fmt.max_size, self.fmt.keep, self.step, N, self.capacity, self.cols.key())
+        return self.masks.shared(key, lambda: self._new_plan(N))
+
+    def _new_plan(self, N: int) -> _Plan:
         cols = self.cols
         if self.fmt.max_size is not None:
             cols = evict_oldest(cols, self.fmt.keep, self.fmt.max_size - 1)
@@ -212,6 +222,7 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
         N = keys.shape[2]
         self.dtype = keys.dtype
         real = self._real_counts(N)
+        before = self.offsets
         k_new, v_new = self._encode(keys, values)
         p = self._plan(N)
         st = self.fmt.storage
@@ -229,9 +240,12 @@ class BatchedKVCache(MlxLmRowSurgery, RowOffsets, CacheContract):
             for a, n in zip(store, new):
                 a[..., at : at + N, :] = n
         self.cols = p.cols
-        self._set_offsets(self.offsets + real)
+        if real is None:  # every layer advances the same offsets: one array (and mx.array) for all
+            self._share_offsets(self.masks.shared(("offsets", before.tobytes(), N), lambda: self._advanced(before, N)))
+        else:
+            self._set_offsets(before + real)
         out = self._window(p.lo, p.cols.idx, keys.dtype)
-        if (real < N).any():  # a padded prefill: every row keeps only its own tokens
+        if real is not None and (real < N).any():  # a padded prefill: every row keeps only its own tokens
             self._keep_first(self.cols.counts - (N - real))
         self._after_append(N)
         return out

@@ -12,6 +12,7 @@ so no step has to read them back from the device.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -27,24 +28,33 @@ def check_row(i: int, B: int) -> int:
 
 @dataclass(frozen=True)
 class Columns:
-    """Where each row's stored positions are: sinks ``[s, e)`` then window ``[w, idx)``."""
+    """Where each row's stored positions are: sinks ``[s, e)`` then window ``[w, idx)``.
+
+    Immutable (its arrays are never written in place), so what it derives is computed once
+    per object: the layers of a batch share one ``Columns`` after each append (the append
+    plan is memoized per forward), and each step derives ``counts``, ``lo`` and ``key`` once
+    for all of them."""
 
     s: np.ndarray
     e: np.ndarray
     w: np.ndarray
     idx: int
 
-    @property
+    @cached_property
     def counts(self) -> np.ndarray:
         return (self.e - self.s) + (self.idx - self.w)
 
-    @property
+    @cached_property
     def lo(self) -> int:
         """First column any row uses (``idx`` when every row is empty)."""
         return int(min(self.s.min(initial=self.idx), self.idx))
 
-    def key(self) -> tuple:
+    @cached_property
+    def _key(self) -> tuple:
         return (self.idx, tuple(self.s.tolist()), tuple(self.e.tolist()), tuple(self.w.tolist()))
+
+    def key(self) -> tuple:
+        return self._key
 
     def take(self, rows) -> "Columns":
         return Columns(self.s[rows], self.e[rows], self.w[rows], self.idx)
@@ -210,6 +220,16 @@ class RowOffsets:
     def _set_offsets(self, offsets):
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self._offset_array = None
+
+    @staticmethod
+    def _advanced(offsets: np.ndarray, n: int) -> tuple[np.ndarray, mx.array]:
+        """(``offsets + n``, as the int32 mx.array ``offset`` shows): what layers share."""
+        out = offsets + n
+        return out, mx.array(out.astype(np.int32))
+
+    def _share_offsets(self, advanced: tuple[np.ndarray, mx.array]):
+        """Take offsets (and their mx.array) shared with the other layers (never written in place)."""
+        self.offsets, self._offset_array = advanced
 
     @property
     def minimum_reusable_offset(self) -> int:

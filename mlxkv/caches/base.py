@@ -24,7 +24,18 @@ class DtypeAttribute:
         return None if name is None else getattr(mx, name)
 
     def __set__(self, obj, value):
-        obj.__dict__[self.stored_as] = None if value is None else str(value).rsplit(".", 1)[-1]
+        obj.__dict__[self.stored_as] = None if value is None else _dtype_name(value)
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    """``mx.float32`` -> ``"float32"`` (memoized: caches set their dtype on every append)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).rsplit(".", 1)[-1]
+    return name
 
 
 class DenseKeysAndValues:
