@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
 from ..checks import is_count, is_int
 from ..errors import CorruptSnapshotError, FormatVersionError, SnapshotError
@@ -437,6 +436,8 @@ def read_block_tensor(h: MlxBunHeader, record: TensorRecord, verify: bool) -> mx
     raw = bytearray()
     for digest, n in record.blocks:
         _read_block(h, record, digest, n, raw, verify)
+    import numpy as np  # here: reading a header (inspect, verify) needs no numpy
+
     a = np.frombuffer(raw, np.dtype(DTYPES[record.info.dtype][1]).newbyteorder("<")).reshape(record.info.shape)
     a = mx.array(a)
     return a.view(mx.bfloat16) if record.info.dtype == "BF16" else a

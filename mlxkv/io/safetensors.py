@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from ..checks import is_count
 from ..errors import CorruptSnapshotError, SnapshotError
@@ -33,22 +32,23 @@ except ImportError:  # pragma: no cover - zlib-ng is a declared dependency
 
     crc32_combine = None
 
-# safetensors dtype name <-> (mlx dtype, numpy dtype of the raw bytes)
+# safetensors dtype name <-> (mlx dtype, numpy dtype name of the raw bytes); names, not numpy
+# dtypes, so that reading a header (inspect, verify) never imports numpy
 DTYPES = {
-    "BOOL": (mx.bool_, np.bool_),
-    "U8": (mx.uint8, np.uint8),
-    "I8": (mx.int8, np.int8),
-    "U16": (mx.uint16, np.uint16),
-    "I16": (mx.int16, np.int16),
-    "U32": (mx.uint32, np.uint32),
-    "I32": (mx.int32, np.int32),
-    "U64": (mx.uint64, np.uint64),
-    "I64": (mx.int64, np.int64),
-    "F16": (mx.float16, np.float16),
-    "BF16": (mx.bfloat16, np.uint16),  # numpy has no bfloat16: raw 16-bit words
-    "F32": (mx.float32, np.float32),
+    "BOOL": (mx.bool_, "bool"),
+    "U8": (mx.uint8, "uint8"),
+    "I8": (mx.int8, "int8"),
+    "U16": (mx.uint16, "uint16"),
+    "I16": (mx.int16, "int16"),
+    "U32": (mx.uint32, "uint32"),
+    "I32": (mx.int32, "int32"),
+    "U64": (mx.uint64, "uint64"),
+    "I64": (mx.int64, "int64"),
+    "F16": (mx.float16, "float16"),
+    "BF16": (mx.bfloat16, "uint16"),  # numpy has no bfloat16: raw 16-bit words
+    "F32": (mx.float32, "float32"),
 }
-ITEMSIZE = {name: np.dtype(raw).itemsize for name, (_, raw) in DTYPES.items()}
+ITEMSIZE = {name: m.size for name, (m, _) in DTYPES.items()}
 _NAME_OF = {m: name for name, (m, _) in DTYPES.items()}
 MAX_HEADER = 64 << 20  # bytes of header JSON
 MAX_RANK = 8  # dimensions of a tensor
@@ -121,6 +121,8 @@ def _raw(a: mx.array) -> mx.array:
 def _bytes_of(a: mx.array) -> memoryview:
     """The row-major bytes of an evaluated array: its own memory when it is contiguous, else
     one copy (numpy reads MLX's strides; a slice of a cache's buffer is such a view)."""
+    import numpy as np
+
     if a.size == 0:
         return memoryview(b"")
     if a.ndim > 64:  # numpy stops at 64 dimensions (MLX does not): flatten in MLX first

@@ -24,10 +24,9 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import CorruptSnapshotError, SnapshotError
-from .safetensors import CRC32, DTYPES, SafetensorsHeader, header_bytes, io_pool
+from .safetensors import CRC32, DTYPES, ITEMSIZE, SafetensorsHeader, header_bytes, io_pool
 from .tensor_file import Checksum, TensorFile, TensorInfo, file_identity, open_regular
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
@@ -123,7 +122,7 @@ class _Target:
         self.shape = list(info.shape)
         if rows is not None and len(self.shape) == 4 and rows > self.shape[2]:
             B, H, T, D = self.shape
-            row = D * np.dtype(DTYPES[info.dtype][1]).itemsize
+            row = D * ITEMSIZE[info.dtype]
             self.blocks, self.part, self.slack = B * H, T * row, (rows - T) * row
             self.shape[2] = rows
         else:
@@ -135,6 +134,8 @@ class _Target:
     def fill(self, fd: int, out: memoryview, at: int, split: bool = True):
         """Fill ``out``, the array's bytes from ``at`` on: stored bytes read, slack zeroed;
         with ``split``, the second half by the helper thread."""
+        import numpy as np
+
         if self.slack and self.blocks > _MAX_BLOCKS and at == 0 and len(out) == self.nbytes:
             return self._fill_staged(fd, out, split)
         stride, end = self.part + self.slack, at + len(out)
@@ -153,6 +154,8 @@ class _Target:
         """Many short blocks (a crafted file can declare millions): read them in one run
         into a staging buffer, then place them with one strided copy instead of a Python
         loop per block."""
+        import numpy as np
+
         stored = bytearray(self.blocks * self.part)
         self._read(fd, [(memoryview(stored), self.info.begin)], split)
         grid = np.frombuffer(out, dtype=np.uint8).reshape(self.blocks, self.part + self.slack)
@@ -199,6 +202,8 @@ class _LoadStream(io.RawIOBase):
     order), then their array bytes, produced on demand by ``readinto``."""
 
     def __init__(self, fd: int, targets: list[_Target], progress: Callable[[int, int], None] | None):
+        import numpy as np
+
         self.fd, self.targets, self.progress = fd, targets, progress
         entries, self.spans, pos = {}, [], 0
         for t in targets:
@@ -228,6 +233,8 @@ class _LoadStream(io.RawIOBase):
         return self.pos
 
     def readinto(self, b):
+        import numpy as np
+
         out = memoryview(b).cast("B")
         n, h = len(out), len(self.head)
         k = max(0, min(n, h - self.pos))

@@ -35,7 +35,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..checks import is_int
 from ..errors import CacheConfigError, MLXKVError
@@ -93,17 +92,24 @@ class Codebook:
 
 
 def _f32_digest(values) -> str:
+    import numpy as np  # the codebook's checks only: decoding a header needs no numpy
+
     return hashlib.sha256(np.asarray(values, dtype="<f4").tobytes()).hexdigest()
 
 
-def sign_bits(hex_digits: str) -> np.ndarray:
-    """Sign bits from the constants' hex (4 elements per digit, most significant bit first)."""
+def sign_bits(hex_digits: str):
+    """Sign bits from the constants' hex (4 elements per digit, most significant bit first),
+    a numpy int32 array."""
+    import numpy as np
+
     return np.array([(int(c, 16) >> s) & 1 for c in hex_digits for s in (3, 2, 1, 0)], np.int32)
 
 
 @lru_cache(maxsize=1)
 def codebook() -> Codebook:
     """The embedded constants, verified against the sha256 prefixes the file lists."""
+    import numpy as np
+
     raw = json.loads(CONSTANTS_FILE.read_text())
     cents, bounds, signs = {}, {}, {}
     for bits in V_BITS:
