@@ -9,8 +9,11 @@ rows equal to serial ones, the converted tokenizer and weights) holds per dtype.
 """
 
 import functools
+import glob
 import math
+import os
 import struct
+import sys
 
 import mlx.core as mx
 import mlx_lm
@@ -21,6 +24,22 @@ from mlxkv.models.fetch_model import gguf_file
 
 TIER_DTYPE = "float32"
 SMOLLM2, GEMMA3 = "smollm2-135m", "gemma3-270m"
+
+
+#: Debian's OpenBLAS (``libopenblas0-pthread``), where installed: MLX's Linux wheel multiplies
+#: float32 matrices with a reference BLAS, and the tier's demo processes spend their time there
+OPENBLAS = min(glob.glob("/usr/lib/*-linux-gnu/libopenblas.so.0"), default=None) if sys.platform == "linux" else None
+
+
+def child_env() -> dict:
+    """The environment of the tier's child processes that compare only with each other (a
+    demo and the fresh process it resumes in): OpenBLAS preloaded where installed, one thread
+    each (two demos share two cores). Tests in this process keep MLX's own BLAS: fixtures and
+    tolerances the rest of the suite checks were computed with it."""
+    env = dict(os.environ)
+    if OPENBLAS is not None and "LD_PRELOAD" not in env:
+        env.update(LD_PRELOAD=OPENBLAS, OPENBLAS_NUM_THREADS="1")
+    return env
 
 
 def model_dir(name: str, dtype: str = TIER_DTYPE) -> str:

@@ -11,7 +11,7 @@ import sys
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
-from real_models import GEMMA3, SMOLLM2, TIER_DTYPE, loaded, numpy_gemma3
+from real_models import GEMMA3, SMOLLM2, TIER_DTYPE, child_env, loaded, numpy_gemma3
 
 import mlxkv
 from mlxkv.models.seeded import SCHEMES
@@ -36,7 +36,8 @@ def demo_processes() -> dict:
     """Both models' demos, started (MLX's CPU work is one thread each: two cores, two demos).
     ``conftest.py`` starts them as the session's collection ends when this module's demo test
     is selected, so they run beside the tier's other tests; the test waits for them."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = child_env()  # OpenBLAS where installed: the demo compares only with its own resume
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     procs = {}
     for name, question in QUESTIONS.items():
         args = ["demo", "--model", name, "--dtype", TIER_DTYPE, "--before", str(BEFORE), "--after", str(AFTER)]
