@@ -46,7 +46,7 @@ def serve_process(*argv, **popen):
     line of its banner), which it does once its port listens: a connection made then waits
     in the listen backlog, never refused."""
     cmd = [sys.executable, "-m", "mlxkv.cli", "serve", *argv, "--port", "0"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**popen.pop("env", os.environ), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, **popen)
     for line in proc.stderr:
         found = re.search(r"at http://127\.0\.0\.1:(\d+)", line)

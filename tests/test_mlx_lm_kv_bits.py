@@ -1,6 +1,9 @@
 """mlx-lm's ``kv_bits`` with mlxkv caches: refused by ``make_cache`` when given to it, and by
 mlx-lm's own generation at its first step, not once ``quantized_kv_start`` (5000) is reached."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -57,3 +60,14 @@ def test_keys_and_values_of_every_scheme_is_what_a_kv_shared_layer_attends(model
     if scheme.startswith(("turbo", "tova", "qfilters")):
         dk, dv = caches[0].dense_window()
         assert mx.array_equal(keys, dk) and mx.array_equal(values, dv)
+
+
+def test_importing_mlxkv_in_a_fresh_process_installs_the_refusal():
+    """The refusal is installed only where ``mlx_lm.generate`` is already imported
+    (``caches/kv_bits.py``): mlx-lm's package brings it with the first mlxkv cache class."""
+    script = (
+        "import sys, mlxkv; mlxkv.KVCache; g = sys.modules['mlx_lm.generate']; "
+        "print(getattr(g.maybe_quantize_kv_cache, 'refuses_mlxkv_caches', False))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from real_models import SMOLLM2, model_dir
+from real_models import SMOLLM2, child_env, model_dir
 from serve_helpers import serve_process
 
 pytestmark = pytest.mark.real
@@ -43,7 +43,7 @@ def mlx_lm_server(directory):
     """``python -m mlx_lm.server`` on a free loopback port; returns (process, port) once it answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm.server", "--model", directory, "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=child_env())
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -67,13 +67,14 @@ def stop(proc):
 
 
 def test_mlxkv_serve_answers_a_chat_request_as_mlx_lm_server_does():
-    """Both servers run at once (one MLX thread each on two cores) and get the same request."""
+    """Both servers run at once (one MLX thread each on two cores, each on OpenBLAS where it is
+    installed: they compare only with each other) and get the same request."""
     directory = model_dir(SMOLLM2)
     procs = []
     try:
         theirs_proc, theirs_port = mlx_lm_server(directory)
         procs.append(theirs_proc)
-        ours_proc, ours_port = serve_process("--model", directory)
+        ours_proc, ours_port = serve_process("--model", directory, env=child_env())
         procs.append(ours_proc)
         with ThreadPoolExecutor(2) as pool:
             theirs, ours = pool.map(chat, (theirs_port, ours_port))

@@ -34,12 +34,12 @@ def caches(model, codes):
 
 def generated(model, tokenizer, prompt, codes, compiled=False):
     m = mlxkv.compiled_model(model) if compiled else model
-    return mlx_lm.generate(m, tokenizer, prompt, max_tokens=6, prompt_cache=caches(model, codes))
+    return mlx_lm.generate(m, tokenizer, prompt, max_tokens=4, prompt_cache=caches(model, codes))
 
 
 def batched(model, rows, codes):
     gen = BatchGenerator(model, completion_batch_size=len(rows))
-    return tokens_at_once(gen, rows, 6, lambda: caches(model, codes))
+    return tokens_at_once(gen, rows, 4, lambda: caches(model, codes))
 
 
 @pytest.mark.parametrize("name", [SMOLLM2, GEMMA3])

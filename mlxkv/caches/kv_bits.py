@@ -8,13 +8,16 @@ function once, when it is imported (``caches/base.py`` imports it, so before any
 cache exists), so the refusal comes at the first call, before any token
 is generated, instead of thousands of tokens in. Calls without ``kv_bits`` or without mlxkv
 caches reach mlx-lm's function unchanged.
+
+The wrap is installed only if ``mlx_lm.generate`` is already imported, which it always is
+where mlx-lm generates: mlx-lm's package ``__init__`` imports it, and importing any mlxkv
+cache imports ``mlx_lm.models.cache`` and so the package first (tests/test_mlx_lm_kv_bits.py
+checks it in a fresh process). Importing it here instead would cost a process that bypasses
+mlx-lm's package (the fresh-interpreter stress scripts) transformers' 2 s.
 """
 
 import functools
-import importlib
-
-# the module (``mlx_lm.generate`` the attribute is mlx-lm's function of that name)
-mlx_generate = importlib.import_module("mlx_lm.generate")
+import sys
 
 
 def _refusing(original):
@@ -32,6 +35,9 @@ def _refusing(original):
 
 def install_refusal():
     """Wrap mlx-lm's ``maybe_quantize_kv_cache`` (once: a second call finds it wrapped)."""
+    mlx_generate = sys.modules.get("mlx_lm.generate")  # the module; its attribute ``generate`` is a function
+    if mlx_generate is None:
+        return
     current = mlx_generate.maybe_quantize_kv_cache
     if not getattr(current, "refuses_mlxkv_caches", False):
         mlx_generate.maybe_quantize_kv_cache = _refusing(current)
