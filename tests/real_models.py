@@ -10,7 +10,6 @@ rows equal to serial ones, the converted tokenizer and weights) holds per dtype.
 
 import functools
 import glob
-import json
 import math
 import os
 import struct
@@ -54,7 +53,7 @@ def tokenizer(name: str):
     """A fetched model's tokenizer, loaded once per test process: every dtype's directory holds
     the same tokenizer files and ``eos_token_id`` (Gemma's takes about 9 s to load)."""
     directory = Path(model_dir(name))
-    eos = json.loads((directory / "config.json").read_text()).get("eos_token_id")
+    eos = mlx_lm.utils.load_config(directory).get("eos_token_id")  # as mlx_lm.load reads it
     return mlx_lm.utils.load_tokenizer(directory, eos_token_ids=eos)
 
 
