@@ -23,7 +23,10 @@ load is not controlled: read the ranges.
 in one graph evaluated per step, as the eager step runs them. Their share of the eager step
 bounds what compiling can save: ``mx.compile`` fuses the elementwise work between the
 products and removes per-operation dispatch, it does not make a product faster, so compiled
-/ eager is at most 1 / (matmul share).
+/ eager is at most 1 / (matmul share). It also times each attention layer's cache work alone
+(the append of one position and mlx-lm's attention over the cache's read, ``attention_reads``):
+compiling cannot shorten that either, so compiled / eager is at most 1 / (matmul share +
+attention share), the ``compiled_ceiling``.
 
 Usage: python -m benchmarks.compiled_decode [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
        --batch-sizes 1,4,8 --only-batched] [--model smollm2-135m --dtype float32 --split]
@@ -121,6 +124,36 @@ def matrix_products(model, B):
     return step
 
 
+def attention_reads(model, caches, B):
+    """A function doing one step's cache work of ``model`` alone, for ``B`` rows: each
+    attention layer's ``update_and_fetch`` of one new position and mlx-lm's
+    ``scaled_dot_product_attention`` over what it returns (the scores and weighted values,
+    from whatever the cache's read is: a bf16 window, TurboQuant codes), all layers
+    evaluated together, then the position trimmed again. Neither is work ``mx.compile``
+    can fuse away: the append is a copy into the cache, the attention its products."""
+    from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+    layers = [(layer.self_attn, c) for layer, c in zip(model.layers, caches) if hasattr(layer, "self_attn")]
+    attn = layers[0][0]
+    dtype = attn.q_proj.weight.dtype  # as the model's projections give them
+    q = mx.random.normal((B, attn.n_heads, 1, attn.head_dim)).astype(dtype)
+    kv = mx.random.normal((B, attn.n_kv_heads, 1, attn.head_dim)).astype(dtype)
+    h = mx.zeros((B, 1, model.args.hidden_size), dtype)
+    mx.eval(q, kv, h)
+
+    def step():
+        mask = create_attention_mask(h, layers[0][1])
+        outs = []
+        for a, cache in layers:
+            keys, values = cache.update_and_fetch(kv, kv)
+            outs.append(scaled_dot_product_attention(q, keys, values, cache=cache, scale=a.scale, mask=mask))
+        mx.eval(outs)
+        for _, cache in layers:
+            cache.trim(1)
+
+    return step
+
+
 def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
     if B is None:
         eager_caches, ye = prefilled(model, scheme, options, tokens)
@@ -133,17 +166,27 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
     warm_eager, ye = decode(eager, eager_caches, ye, 2)
     warm_comp, yc = decode(decoder, comp_caches, yc, 2)  # the first trace and kernel builds
     products = matrix_products(model, B or 1) if split else None
-    te, tc, share = [], [], []
+    reads = attention_reads(model, eager_caches, B or 1) if split else None
+    te, tc, share, attention = [], [], [], []
     for _ in range(rounds):
         t, ye = decode(eager, eager_caches, ye, steps)
         te.append(steps * (B or 1) / t)
         if products is not None:  # the products alone, right after the eager steps they are part of
             tm, _ = timed(lambda: [products() for _ in range(steps)])
             share.append(tm / t)
+            ta, _ = timed(lambda: [reads() for _ in range(steps)])
+            attention.append(ta / t)
         t, yc = decode(decoder, comp_caches, yc, steps)
         tc.append(steps * (B or 1) / t)
     ratio = ratios(tc, te)
-    split_row = {"matmul_share_of_eager_step": summary(share)} if share else {}
+    split_row = {}
+    if share:  # compiling can remove at most what is neither: compiled / eager <= 1 / (their sum)
+        ceiling = [1 / (m + a) for m, a in zip(share, attention)]
+        split_row = {
+            "matmul_share_of_eager_step": summary(share),
+            "attention_share_of_eager_step": summary(attention),
+            "compiled_ceiling": summary(ceiling),
+        }
     return {
         "scheme": label(scheme, options),
         "eager_tok_s": statistics.median(te),
@@ -178,6 +221,10 @@ def run(models, rounds, steps, B=None, split=False):
                 f"[{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}]  traces {row['traces']}"
                 + (
                     "  matmul share {median:.2f} [{min:.2f}-{max:.2f}]".format(**row["matmul_share_of_eager_step"])
+                    + "  attention share {median:.2f} [{min:.2f}-{max:.2f}]".format(
+                        **row["attention_share_of_eager_step"]
+                    )
+                    + "  ceiling {median:.2f} [{min:.2f}-{max:.2f}]".format(**row["compiled_ceiling"])
                     if split
                     else ""
                 ),
@@ -197,7 +244,7 @@ def main(argv=None):
     ap.add_argument("--model", help="a fetched real model (mlxkv.models.fetch) instead of the seeded ones")
     ap.add_argument("--dtype", default="float32", help="with --model: the weights' dtype")
     ap.add_argument("--schemes", default="bf16,turbo-k8v3", help="with --model: the schemes")
-    ap.add_argument("--split", action="store_true", help="also time the matrix products alone (their share)")
+    ap.add_argument("--split", action="store_true", help="also time the products and the attention alone")
     ap.add_argument("--out", help="default: benchmarks/results/compiled_decode.json")
     a = ap.parse_args(argv)
 

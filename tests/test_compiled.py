@@ -77,9 +77,12 @@ def test_compiled_decode_is_bit_identical_to_eager(models, tmp_path, arch, schem
         tmp_path / "e.safetensors", ref_caches, history
     )
     for a, b in zip(got_caches, ref_caches):
-        keys = getattr(getattr(a, "inner", a), "keys", None)
+        a, b = getattr(a, "inner", a), getattr(b, "inner", b)
+        keys = getattr(a, "keys", None)
         if isinstance(keys, mx.array):
-            assert keys.shape == getattr(b, "inner", b).keys.shape
+            assert keys.shape == b.keys.shape
+        if getattr(a, "storage", None) is not None:  # TurboQuant: the codes the step wrote, adopted
+            assert [x.shape for x in a.storage] == [x.shape for x in b.storage]
 
 
 def test_generate_and_stream_generate_decode_through_the_compiled_step(models):

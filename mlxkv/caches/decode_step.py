@@ -106,8 +106,9 @@ class AffineStore:
 class TurboStore(codes_window.CodesReader):
     """TurboQuant's five code arrays with the new position's codes written at the traced row:
     attended as codes (``codes``: the stand-in shows ``bits``, as the eager cache does) or
-    decoded in the new keys' dtype (the exact read). The commit appends through the cache,
-    so nothing but the new keys and values leaves the graph."""
+    decoded in the new keys' dtype (the exact read). Read as codes, the written code arrays
+    leave the graph and the cache adopts them; decoded, only the new keys and values leave
+    it and the commit appends them through the cache."""
 
     k_bits: int
     v_bits: int
@@ -127,7 +128,7 @@ class TurboStore(codes_window.CodesReader):
         return put(dk, nk), put(dv, nv)
 
     def written(self, wk, wv):
-        return ()
+        return tuple(wk.stored) if self.codes else ()
 
 
 # -- the stand-in a traced model calls ------------------------------------------------------

@@ -119,13 +119,22 @@ def affine_decode_step(cache) -> DecodeStep:
 
 def turbo_decode_step(cache) -> DecodeStep:
     """The codes, padded to 256-row steps (the storage's own growth), attended as the cache
-    reads (codes, or decoded in the graph); the commit encodes and stores the new position
-    through the cache's append."""
+    reads. Read as codes, the cache adopts the code arrays the step wrote (the new position
+    encoded once, in the graph); decoded in the graph, the commit encodes and stores the new
+    position through the cache's append."""
     if cache.storage is None:
         return _eager(cache)
     n = cache.offset
     store = TurboStore(cache.k_bits, cache.v_bits, cache.codes)
-    return _window_step(cache, store, list(cache.storage), window_rows(n + 1), n, _append_commit(cache))
+    stored, rows = list(cache.storage), window_rows(n + 1)
+    if not cache.codes:
+        return _window_step(cache, store, stored, rows, n, _append_commit(cache))
+
+    def commit(new, effects):
+        cache.dtype = new[0].dtype
+        cache.storage, cache.offset = list(new[2:7]), n + 1
+
+    return _window_step(cache, store, stored, rows, n, commit)
 
 
 def eviction_decode_step(cache) -> DecodeStep:
