@@ -20,8 +20,6 @@ Each step's result is its per-round ratio to step 1, median [min-max].
 Usage: python -m benchmarks.load_floor [--layers 16 --tokens 4096 --repeats 15 --dir DIR]
 """
 
-import argparse
-import io
 import os
 import random
 import struct
@@ -33,14 +31,15 @@ from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
 from benchmarks.common import ratios, summary, write_result
-from benchmarks.snapshot_io import build_arrays, fresh_caches
+from benchmarks.snapshot_io import build_arrays, cache_arguments, fresh_caches
 from mlxkv.io.safetensors import header_bytes, io_pool, read_safetensors_header
-from mlxkv.io.tensor_reader import TensorReader
+from mlxkv.io.tensor_reader import TensorReader, _LoadStream
 
 
-class MinimalStream(io.RawIOBase):
+class MinimalStream(_LoadStream):
     """A stand-in safetensors file for the tensors of ``header``: each tensor read with two
-    ``preadv`` calls, the second half on the helper thread."""
+    ``preadv`` calls, the second half on the helper thread (mlxkv's stand-in, its file
+    methods kept, with nothing else in its ``readinto``)."""
 
     def __init__(self, fd, header):
         self.fd, entries, self.begins, pos = fd, {}, {}, 0
@@ -52,19 +51,6 @@ class MinimalStream(io.RawIOBase):
         raw = header_bytes(entries, {})
         self.head = struct.pack("<Q", len(raw)) + raw
         self.size, self.pos = len(self.head) + pos, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        self.pos = offset + (0, self.pos, self.size)[whence]
-        return self.pos
-
-    def tell(self):
-        return self.pos
 
     def readinto(self, b):
         out, n = memoryview(b).cast("B"), len(b)
@@ -145,13 +131,7 @@ def run(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--dir", default=None, help="where the files are written (default: the system's temp dir)")
+    p = cache_arguments(__doc__.split("\n")[0], repeats=15)
     p.add_argument("--out", default=None, help="default: benchmarks/results/load_floor.json")
     args = p.parse_args(argv)
     res = run(args)

@@ -260,14 +260,21 @@ def print_result(res):
         print(f"  {'met ' if v else 'MISS'}  {k}")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def cache_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of the benchmarks that save and load one cache: its geometry, the rounds
+    and where the files go."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--dir", default=None, help="where the files are written (default: the system's temp dir)")
+    return p
+
+
+def main(argv=None):
+    p = cache_arguments(__doc__.split("\n")[0], repeats=11)
     p.add_argument("--reused", action="store_true", help="caches assigned once and saved again every round")
     p.add_argument("--out", default=None, help="default: benchmarks/results/snapshot_io.json")
     args = p.parse_args(argv)
