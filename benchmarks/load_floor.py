@@ -22,7 +22,6 @@ Usage: python -m benchmarks.load_floor [--layers 16 --tokens 4096 --repeats 15 -
 
 import os
 import random
-import struct
 import tempfile
 import time
 
@@ -32,25 +31,19 @@ from mlx_lm.models import cache as mlx_cache
 import mlxkv
 from benchmarks.common import ratios, summary, write_result
 from benchmarks.snapshot_io import build_arrays, cache_arguments, fresh_caches
-from mlxkv.io.safetensors import header_bytes, io_pool, read_safetensors_header
-from mlxkv.io.tensor_reader import TensorReader, _LoadStream
+from mlxkv.io.safetensors import CRC32, io_pool, read_safetensors_header
+from mlxkv.io.tensor_reader import TensorReader, _LoadStream, _Target
 
 
 class MinimalStream(_LoadStream):
-    """A stand-in safetensors file for the tensors of ``header``: each tensor read with two
-    ``preadv`` calls, the second half on the helper thread (mlxkv's stand-in, its file
-    methods kept, with nothing else in its ``readinto``)."""
+    """A stand-in safetensors file for the tensors of ``header``: mlxkv's stand-in (its header
+    and file methods), each tensor read with two ``preadv`` calls, the second half on the
+    helper thread, and nothing else."""
 
     def __init__(self, fd, header):
-        self.fd, entries, self.begins, pos = fd, {}, {}, 0
-        for name, t in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
-            size = t.end - t.begin
-            entries[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + size]}
-            self.begins[pos] = t.begin
-            pos += size
-        raw = header_bytes(entries, {})
-        self.head = struct.pack("<Q", len(raw)) + raw
-        self.size, self.pos = len(self.head) + pos, 0
+        targets = [_Target(info, None, None, CRC32) for info in header.tensors.values()]
+        super().__init__(fd, sorted(targets, key=lambda t: t.info.begin), None)
+        self.begins = {start: t.info.begin for start, t in self.spans}  # stand-in offset -> file offset
 
     def readinto(self, b):
         out, n = memoryview(b).cast("B"), len(b)

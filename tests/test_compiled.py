@@ -246,3 +246,29 @@ def test_steps_of_the_same_layout_and_phase_are_equal(models):
     c = mlxkv.QuantizedKVCache(32, 8)
     c.update_and_fetch(*(mx.zeros((1, 2, 10, 64), mx.bfloat16),) * 2)
     assert decode_step(c).layout != decode_step(a).layout
+
+
+def test_a_trimmed_turboquant_cache_decodes_compiled_into_the_buffer_the_eager_append_keeps(models, tmp_path):
+    """After a trim the codes buffer holds more rows than the positions need: the compiled
+    step writes that buffer, as the eager append does, and the cache keeps its capacity."""
+    model = models("llama")
+    tokens = prompt(300, seed=4)
+
+    def trimmed():
+        caches = mlxkv.make_cache(model, "turbo-k8v3")
+        mx.eval(model(mx.array(tokens)[None], cache=caches))  # the prompt's 300 rows, exactly
+        mx.eval(model(mx.array([[tokens[-1]]]), cache=caches))  # the append grows them to 512
+        for c in caches:
+            c.trim(101)  # 200 positions in a 512-row buffer
+        return caches
+
+    eager, compiled = trimmed(), trimmed()
+    assert eager[0].storage[0].shape[2] == 512 and eager[0].offset == 200
+    y = mx.array([[tokens[200]]])
+    want, got = model(y, cache=eager), CompiledDecoder(model)(y, compiled)
+    assert mx.array_equal(want, got).item()
+    assert [[a.shape for a in c.storage] for c in compiled] == [[a.shape for a in c.storage] for c in eager]
+    history = tokens[:201]
+    assert saved_bytes(tmp_path / "c.safetensors", compiled, history) == saved_bytes(
+        tmp_path / "e.safetensors", eager, history
+    )

@@ -6,9 +6,8 @@ step, writes (docs/compiled.md). Which builder a cache gets is its family's
 
 Phases:
 
-- plain, affine: ``window`` over the cache's buffer as the append grows it (256-row steps),
-  so a trace serves 256 consecutive steps; TurboQuant: ``window`` over its codes, the
-  positions after the append rounded up to 256;
+- plain, affine, TurboQuant: ``window`` over the cache's buffer (TurboQuant: its codes) as
+  the append grows it (256-row steps), so a trace serves 256 consecutive steps;
 - eviction caches: ``window`` over the kept rows plus the new one, rounded up to 256 and
   capped at ``budget + 1``: once the budget is reached the window no longer changes;
 - rings: ``ring-fill`` over the ring's buffer (it grows in 256-row steps up to
@@ -118,21 +117,21 @@ def affine_decode_step(cache) -> DecodeStep:
 
 
 def turbo_decode_step(cache) -> DecodeStep:
-    """The codes, padded to 256-row steps (the storage's own growth), attended as the cache
-    reads. Read as codes, the cache adopts the code arrays the step wrote (the new position
-    encoded once, in the graph); decoded in the graph, the commit encodes and stores the new
-    position through the cache's append."""
+    """The codes at the capacity the cache's own append leaves (256-row steps), attended as
+    the cache reads. Read as codes, the cache adopts the code arrays the step wrote (the new
+    position encoded once, in the graph); decoded in the graph, the commit encodes and stores
+    the new position through the cache's append."""
     if cache.storage is None:
         return _eager(cache)
     n = cache.offset
     store = TurboStore(cache.k_bits, cache.v_bits, cache.codes)
-    stored, rows = list(cache.storage), window_rows(n + 1)
+    stored, rows = list(cache.storage), cache.capacity_for(1)
     if not cache.codes:
         return _window_step(cache, store, stored, rows, n, _append_commit(cache))
 
     def commit(new, effects):
         cache.dtype = new[0].dtype
-        cache.storage, cache.offset = list(new[2:7]), n + 1
+        cache.storage, cache.offset = list(new[2:]), n + 1  # the five written code arrays
 
     return _window_step(cache, store, stored, rows, n, commit)
 
@@ -208,11 +207,12 @@ def _family_step(cache) -> DecodeStep:
 def decode_step(cache) -> DecodeStep:
     """``cache``'s part in one compiled decode step. A bf16-first cache whose conversion is due
     (a file written before conversions happened at the end of the append) converts first;
-    its commit is its own append, so it converts whenever its own rule says."""
+    until it has converted, its commit is its own append, so it converts whenever its own rule
+    says; once converted, the held storage's step commits as it does alone."""
     if isinstance(cache, Bf16FirstCache):
         cache.settle()
         step = _family_step(cache.inner)
-        if cache.pending is not None and step.commit is not None:
+        if not cache.converted and step.commit is not None:
             step.commit = _append_commit(cache)  # its append converts when its rule says
         return step
     return _family_step(cache)

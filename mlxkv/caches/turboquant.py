@@ -136,12 +136,18 @@ class TurboQuantKVCache(DenseKeysAndValues, CacheContract, mlx_cache._BaseCache)
                 f"this cache holds [B, H] = {list(self.storage[0].shape[:2])}, got {list(keys.shape[:2])}"
             )
 
-    def _grow(self, rows: int):
-        """Make room for ``rows`` more positions: capacity in whole 256-row steps."""
+    def capacity_for(self, rows: int) -> int:
+        """The capacity an append of ``rows`` positions leaves: the current one while they fit,
+        else whole 256-row steps (the compiled step's window is this, so the buffer it writes
+        is the one the eager append would)."""
         need = self.offset + rows
-        if need <= self._capacity():
+        return self._capacity() if need <= self._capacity() else -(-need // self.step) * self.step
+
+    def _grow(self, rows: int):
+        """Make room for ``rows`` more positions (:meth:`capacity_for`)."""
+        capacity = self.capacity_for(rows)
+        if capacity == self._capacity():
             return
-        capacity = -(-need // self.step) * self.step
         grown = []
         for a in self.storage:
             live = a[..., : self.offset, :]
