@@ -20,6 +20,7 @@ from mlxkv.caches.codes_window import CodesWindow
 from mlxkv.caches.masks import ForwardMasks
 from mlxkv.caches.schemes import make_cache
 from mlxkv.math import turboquant as tq
+from mlxkv.math import turboquant_attention as tqa
 from mlxkv.models.seeded import ARCHITECTURES, prompt, save_model_dir, tokenizer
 from mlxkv.quality import NamedReadSite, greedy_flips, named_read_attention, teacher_forced_logprobs
 
@@ -273,6 +274,25 @@ def test_codes_read_agrees_with_the_exact_read(kb, vb, d):
     assert read.mask is None and mx.array_equal(read.keys, tq.decode(fast.state, kb, vb)[0].astype(mx.bfloat16))
     plain = fast.append_decode(k1.astype(mx.bfloat16), v1.astype(mx.bfloat16), codes=False, deferred=False)
     assert plain.finish is None and not hasattr(plain, "stored")  # the exact read, per call
+
+
+@pytest.mark.parametrize("vb", [2, 3, 5])
+def test_a_long_window_is_weighted_in_blocks_that_sum_to_the_whole_product(vb, monkeypatch):
+    """Past one block of rows (910 at 8 heads of 128 and 4 query rows: ``tqa._BLOCK_BYTES``), the value product
+    is summed block by block, a partial last block included; it is the product over the whole
+    window up to float32 summation order."""
+    H, T, d = 8, 2500, 128
+    rows = tqa._BLOCK_BYTES // (H * d // 32 * (32 + 4) * 4)
+    assert rows < T and T % rows
+    k, v = kv(T, d=d, H=H)
+    stored = tq.encode(k, v, 8, vb)
+    p = mx.softmax(mx.random.normal((1, H, 4, T), key=mx.random.key(3)), axis=-1)
+    blocks = spy(monkeypatch, tqa, "_group_product")
+    blocked = tqa.weighted_values(p, stored[3], stored[4], vb)
+    assert len(blocks) == -(-T // rows)  # no block holds the whole window's centroids
+    whole = p @ tqa.rotated_values(stored[3], stored[4], vb)
+    assert blocked.shape == whole.shape == (1, H, 4, d)
+    assert mx.abs(blocked - whole).max().item() < 1e-5
 
 
 def spy(monkeypatch, owner, name) -> list:

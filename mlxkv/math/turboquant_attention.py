@@ -79,16 +79,38 @@ def rotated_values(v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.ar
     return c.reshape(*lead, groups * tq.GROUP)
 
 
-def weighted_values(p: mx.array, v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.array:
-    """``p @ rotated_values(...)`` without a pass over the scaled window: ``p`` ``[B, H, M, T]``
-    is weighted by each group's scale (``[B, H, G, M, T]``, small) and multiplied by the
-    group's centroids ``[B, H, G, T, 32]``, read from the codes in group-major order."""
+#: bytes one block of value rows may take in float32 temporaries (weighted_values)
+_BLOCK_BYTES = 4 << 20
+_BLOCK_MIN_ROWS = 64
+
+
+def _group_product(p: mx.array, v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.array:
+    """``p @ rotated_values(...)`` over one block of rows, as ``[B, H, G, M, 32]``."""
     B, H, T, width = v_packed.shape
     G = v_scales.shape[-1]
     by_group = v_packed.reshape(B, H, T, G, width // G).transpose(0, 1, 3, 2, 4)
     c = mx.take(centroid_table(v_bits), _chunks(by_group, v_bits), axis=0).reshape(B, H, G, T, tq.GROUP)
     weights = p[:, :, None] * v_scales.astype(mx.float32).transpose(0, 1, 3, 2)[:, :, :, None, :]
-    out = weights @ c  # [B, H, G, M, 32]
+    return weights @ c
+
+
+def weighted_values(p: mx.array, v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.array:
+    """``p @ rotated_values(...)`` without a pass over the scaled window: ``p`` ``[B, H, M, T]``
+    is weighted by each group's scale (``[B, H, G, M, T]``, small) and multiplied by the
+    group's centroids ``[B, H, G, T, 32]``, read from the codes in group-major order.
+
+    The rows are taken in blocks whose centroids and weights fill at most ``_BLOCK_BYTES``,
+    the partial products summed: one temporary for the whole window (64 MiB of centroids at
+    8 heads and 16k rows) is above malloc's mmap threshold (32 MiB at most), comes fresh from
+    the kernel on every step and pays a page fault per 4 KiB (a quarter of the step there,
+    docs/turboquant.md); a small block's memory is reused, warm."""
+    B, H, T, width = v_packed.shape
+    G, M = v_scales.shape[-1], p.shape[2]
+    rows = max(_BLOCK_MIN_ROWS, _BLOCK_BYTES // (B * H * G * (tq.GROUP + M) * 4))
+    out = None
+    for a in range(0, max(T, 1), rows):  # an empty window: one empty block
+        part = _group_product(p[..., a : a + rows], v_packed[:, :, a : a + rows], v_scales[:, :, a : a + rows], v_bits)
+        out = part if out is None else out + part
     return out.transpose(0, 1, 3, 2, 4).reshape(B, H, p.shape[2], G * tq.GROUP)
 
 
