@@ -26,13 +26,20 @@ products and removes per-operation dispatch, it does not make a product faster, 
 / eager is at most 1 / (matmul share). It also times each attention layer's cache work alone
 (the append of one position and mlx-lm's attention over the cache's read, ``attention_reads``):
 compiling cannot shorten that either, so compiled / eager is at most 1 / (matmul share +
-attention share), the ``compiled_ceiling``.
+attention share), the ``compiled_ceiling``. And it counts the primitives of one eager and one
+compiled step's graph (``mx.export_to_dot``: views, matrix products, the rest), times one
+primitive of each kind on this backend every round (``primitive_seconds``: a chain of small
+ones, their dispatch and not their arithmetic), and predicts compiled / eager from them: the
+eager step over the eager step less what the primitives compiling removed cost
+(``predicted_ratio``, from the medians).
 
 Usage: python -m benchmarks.compiled_decode [--rounds 7 --steps 8 --prompt 200 --large-prompt 480
        --batch-sizes 1,4,8 --only-batched] [--model smollm2-135m --dtype float32 --split]
 """
 
 import argparse
+import io
+import re
 import statistics
 import time
 import warnings
@@ -154,6 +161,52 @@ def attention_reads(model, caches, B):
     return step
 
 
+#: primitives that make a view of their input (no arithmetic, no copy)
+VIEWS = frozenset(
+    {"AsStrided", "Broadcast", "ExpandDims", "Flatten", "Reshape", "Slice", "Squeeze", "Transpose", "Unflatten"}
+)
+PRODUCTS = frozenset({"Matmul", "QuantizedMatmul", "GatherMM", "GatherQMM"})
+
+
+def graph_primitives(out: mx.array) -> dict:
+    """The primitives of the graph that evaluates ``out`` (not yet evaluated), by class."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    names = re.findall(r'label ="([A-Za-z_]+)"', dot.getvalue())
+    views = sum(n in VIEWS for n in names)
+    products = sum(n in PRODUCTS for n in names)
+    return {"views": views, "products": products, "other": len(names) - views - products}
+
+
+def counted_step(step, caches, y):
+    """One greedy decode step, its graph's primitives counted before it is evaluated:
+    (counts, next token)."""
+    logits = step(y, caches)[:, -1]
+    counts = graph_primitives(logits)
+    y = mx.argmax(logits, axis=-1)[:, None]
+    mx.eval(y)
+    return counts, y
+
+
+def primitive_seconds(width: int, n: int = 500) -> dict:
+    """Seconds this backend takes per primitive on a ``[1, 1, width]`` array: ``n`` chained
+    adds (an elementwise primitive: its dispatch, output allocation and a few hundred
+    flops) and ``n`` chained reshapes (a view), each chain evaluated alone."""
+    x = mx.ones((1, 1, width))
+    mx.eval(x)
+    chains = {
+        "other": lambda y: y + 1.0,
+        "views": lambda y: y.reshape(1, width, 1) if y.shape[1] == 1 else y.reshape(1, 1, width),
+    }
+    out = {}
+    for kind, op in chains.items():
+        y = x
+        for _ in range(n):
+            y = op(y)
+        out[kind] = timed(mx.eval, y)[0] / n
+    return out
+
+
 def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
     if B is None:
         eager_caches, ye = prefilled(model, scheme, options, tokens)
@@ -165,9 +218,17 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
     eager = lambda y, c: model(y, cache=c)
     warm_eager, ye = decode(eager, eager_caches, ye, 2)
     warm_comp, yc = decode(decoder, comp_caches, yc, 2)  # the first trace and kernel builds
+    primitives = None
+    if split:
+        primitives = {
+            "eager": counted_step(eager, eager_caches, ye),
+            "compiled": counted_step(decoder, comp_caches, yc),
+        }
+        ye, yc = primitives["eager"][1], primitives["compiled"][1]
+        primitives = {mode: counts for mode, (counts, _) in primitives.items()}
     products = matrix_products(model, B or 1) if split else None
     reads = attention_reads(model, eager_caches, B or 1) if split else None
-    te, tc, share, attention = [], [], [], []
+    te, tc, share, attention, cost = [], [], [], [], []
     for _ in range(rounds):
         t, ye = decode(eager, eager_caches, ye, steps)
         te.append(steps * (B or 1) / t)
@@ -176,16 +237,25 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
             share.append(tm / t)
             ta, _ = timed(lambda: [reads() for _ in range(steps)])
             attention.append(ta / t)
+            cost.append(primitive_seconds(model.args.hidden_size))
         t, yc = decode(decoder, comp_caches, yc, steps)
         tc.append(steps * (B or 1) / t)
     ratio = ratios(tc, te)
     split_row = {}
     if share:  # compiling can remove at most what is neither: compiled / eager <= 1 / (their sum)
         ceiling = [1 / (m + a) for m, a in zip(share, attention)]
+        cost = {kind: statistics.median(c[kind] for c in cost) for kind in ("views", "other")}
+        removed = sum(
+            (primitives["eager"][kind] - primitives["compiled"][kind]) * cost[kind] for kind in ("views", "other")
+        )
+        eager_step = (B or 1) / statistics.median(te)
         split_row = {
             "matmul_share_of_eager_step": summary(share),
             "attention_share_of_eager_step": summary(attention),
             "compiled_ceiling": summary(ceiling),
+            "primitives": primitives,
+            "primitive_seconds": cost,
+            "predicted_ratio": eager_step / (eager_step - removed),
         }
     return {
         "scheme": label(scheme, options),
@@ -200,6 +270,20 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
         "same_tokens": mx.array_equal(ye, yc).item(),
         **split_row,
     }
+
+
+def split_text(row) -> str:
+    """The ``--split`` figures of a result row, as printed."""
+    share = "{median:.2f} [{min:.2f}-{max:.2f}]"
+    e, c, cost = row["primitives"]["eager"], row["primitives"]["compiled"], row["primitive_seconds"]
+    return (
+        f"  matmul share {share.format(**row['matmul_share_of_eager_step'])}"
+        f"  attention share {share.format(**row['attention_share_of_eager_step'])}"
+        f"  ceiling {share.format(**row['compiled_ceiling'])}"
+        f"\n        primitives eager {e['other']} + {e['views']} views, compiled {c['other']} + {c['views']} views;"
+        f" {cost['other'] * 1e6:.1f} us each, {cost['views'] * 1e6:.1f} us a view:"
+        f" predicted x{row['predicted_ratio']:.2f}"
+    )
 
 
 def run(models, rounds, steps, B=None, split=False):
@@ -219,15 +303,7 @@ def run(models, rounds, steps, B=None, split=False):
                 f"eager {row['eager_tok_s']:7.1f} tok/s  compiled "
                 f"{row['compiled_tok_s']:7.1f} tok/s  x{row['ratio']:.2f} "
                 f"[{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}]  traces {row['traces']}"
-                + (
-                    "  matmul share {median:.2f} [{min:.2f}-{max:.2f}]".format(**row["matmul_share_of_eager_step"])
-                    + "  attention share {median:.2f} [{min:.2f}-{max:.2f}]".format(
-                        **row["attention_share_of_eager_step"]
-                    )
-                    + "  ceiling {median:.2f} [{min:.2f}-{max:.2f}]".format(**row["compiled_ceiling"])
-                    if split
-                    else ""
-                ),
+                + (split_text(row) if split else ""),
                 flush=True,
             )
     return out
