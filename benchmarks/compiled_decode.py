@@ -218,17 +218,13 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
     eager = lambda y, c: model(y, cache=c)
     warm_eager, ye = decode(eager, eager_caches, ye, 2)
     warm_comp, yc = decode(decoder, comp_caches, yc, 2)  # the first trace and kernel builds
-    primitives = None
+    primitives = {}
     if split:
-        primitives = {
-            "eager": counted_step(eager, eager_caches, ye),
-            "compiled": counted_step(decoder, comp_caches, yc),
-        }
-        ye, yc = primitives["eager"][1], primitives["compiled"][1]
-        primitives = {mode: counts for mode, (counts, _) in primitives.items()}
+        primitives["eager"], ye = counted_step(eager, eager_caches, ye)
+        primitives["compiled"], yc = counted_step(decoder, comp_caches, yc)
     products = matrix_products(model, B or 1) if split else None
     reads = attention_reads(model, eager_caches, B or 1) if split else None
-    te, tc, share, attention, cost = [], [], [], [], []
+    te, tc, share, attention, costs = [], [], [], [], []
     for _ in range(rounds):
         t, ye = decode(eager, eager_caches, ye, steps)
         te.append(steps * (B or 1) / t)
@@ -237,14 +233,14 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
             share.append(tm / t)
             ta, _ = timed(lambda: [reads() for _ in range(steps)])
             attention.append(ta / t)
-            cost.append(primitive_seconds(model.args.hidden_size))
+            costs.append(primitive_seconds(model.args.hidden_size))
         t, yc = decode(decoder, comp_caches, yc, steps)
         tc.append(steps * (B or 1) / t)
     ratio = ratios(tc, te)
     split_row = {}
     if share:  # compiling can remove at most what is neither: compiled / eager <= 1 / (their sum)
         ceiling = [1 / (m + a) for m, a in zip(share, attention)]
-        cost = {kind: statistics.median(c[kind] for c in cost) for kind in ("views", "other")}
+        cost = {kind: statistics.median(c[kind] for c in costs) for kind in ("views", "other")}
         removed = sum(
             (primitives["eager"][kind] - primitives["compiled"][kind]) * cost[kind] for kind in ("views", "other")
         )
