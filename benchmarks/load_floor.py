@@ -12,8 +12,10 @@ allocated afresh, as in a new process):
    of any load MLX makes through Python;
 4. mlxkv's stand-in stream (``TensorReader.read_all``), no checksum, the stored shapes;
 5. the same with the slack rows a restored cache gets (the next 256-row step);
-6. ``mlxkv.load(verify=False)``: header checks and caches on top;
-7. ``mlxkv.load``: every CRC-32 verified.
+6. and 7. steps 4 and 5 with every CRC-32 verified (``mlxkv.formats.mlxkv.read``: the header
+   checked, no caches built): what the checksum adds to each;
+8. ``mlxkv.load(verify=False)``: header checks and caches on top;
+9. ``mlxkv.load``: every CRC-32 verified.
 
 Each step's result is its per-round ratio to step 1, median [min-max].
 
@@ -31,6 +33,7 @@ from mlx_lm.models import cache as mlx_cache
 import mlxkv
 from benchmarks.common import ratios, summary, write_result
 from benchmarks.snapshot_io import build_arrays, cache_arguments, fresh_caches
+from mlxkv.formats.mlxkv import read
 from mlxkv.io.safetensors import CRC32, io_pool, read_safetensors_header
 from mlxkv.io.tensor_reader import TensorReader, _LoadStream, _Target
 
@@ -80,6 +83,8 @@ def steps(kv, lm, header, rows):
         "smallest stand-in stream": minimal,
         "mlxkv stream, stored shapes": lambda: read_all(False),
         "mlxkv stream, slack rows": lambda: read_all(True),
+        "mlxkv stream, stored shapes, verified": lambda: list(read(kv, slack=False)[1].values()),
+        "mlxkv stream, slack rows, verified": lambda: list(read(kv)[1].values()),
         "mlxkv.load, not verified": lambda: arrays_of(mlxkv.load(kv, verify=False).caches),
         "mlxkv.load, verified": lambda: arrays_of(mlxkv.load(kv).caches),
     }
@@ -132,7 +137,7 @@ def main(argv=None):
     print(f"\nper-round ratio to load_prompt_cache, median [min-max]; {res['repeats']} rounds")
     for name, s in res["steps"].items():
         r = s["ratio"]
-        print(f"{name:30} {s['seconds']['median'] * 1e3:7.1f} ms  {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
+        print(f"{name:38} {s['seconds']['median'] * 1e3:7.1f} ms  {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
     print(f"wrote {out}")
     return 0
 

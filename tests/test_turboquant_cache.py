@@ -295,6 +295,20 @@ def test_a_long_window_is_weighted_in_blocks_that_sum_to_the_whole_product(vb, m
     assert mx.abs(blocked - whole).max().item() < 1e-5
 
 
+@pytest.mark.parametrize("vb", [2, 3, 4, 5])
+@pytest.mark.parametrize("B,T", [(1, 0), (0, 5), (0, 0)])
+def test_an_empty_window_or_batch_weighs_to_zeros_of_the_right_shape(vb, B, T):
+    """No rows (a window before its first token) or no batch rows (every row retired) give
+    zeros [B, H, M, D], not a division by zero or a reshape that cannot infer its -1."""
+    H, M, d = 2, 3, 128
+    p = mx.zeros((B, H, M, T))
+    packed = mx.zeros((B, H, T, d * vb // 8), mx.uint8)
+    scales = mx.zeros((B, H, T, d // 32), mx.float16)
+    out = tqa.weighted_values(p, packed, scales, vb)
+    assert out.shape == (B, H, M, d) and not mx.any(out).item()
+    assert tqa.rotated_values(packed, scales, vb).shape == (B, H, T, d)
+
+
 def spy(monkeypatch, owner, name) -> list:
     """Count the calls of ``owner.name`` (still calling it) until ``monkeypatch.undo()``."""
     calls, real = [], getattr(owner, name)

@@ -67,7 +67,8 @@ def _chunks(packed: mx.array, v_bits: int) -> mx.array:
     *lead, width = packed.shape
     blocks = packed.reshape(*lead, width // v_bits, v_bits)  # 8 codes per block
     columns = (blocks[..., i : i + 1] for i in range(v_bits))
-    return _chunk_fields(v_bits)(*columns).reshape(*lead, -1)
+    per_block = 8 * v_bits // _CHUNK[v_bits]  # said, not inferred: an empty window has no -1
+    return _chunk_fields(v_bits)(*columns).reshape(*lead, width // v_bits * per_block)
 
 
 def rotated_values(v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.array:
@@ -75,7 +76,7 @@ def rotated_values(v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.ar
     *lead, width = v_packed.shape
     groups = v_scales.shape[-1]
     c = mx.take(centroid_table(v_bits), _chunks(v_packed, v_bits), axis=0)
-    c = c.reshape(*lead, groups, -1) * v_scales.astype(mx.float32)[..., None]
+    c = c.reshape(*lead, groups, tq.GROUP) * v_scales.astype(mx.float32)[..., None]
     return c.reshape(*lead, groups * tq.GROUP)
 
 
@@ -106,7 +107,7 @@ def weighted_values(p: mx.array, v_packed: mx.array, v_scales: mx.array, v_bits:
     docs/turboquant.md); a small block's memory is reused, warm."""
     B, H, T, width = v_packed.shape
     G, M = v_scales.shape[-1], p.shape[2]
-    rows = max(_BLOCK_MIN_ROWS, _BLOCK_BYTES // (B * H * G * (tq.GROUP + M) * 4))
+    rows = max(_BLOCK_MIN_ROWS, _BLOCK_BYTES // max(1, B * H * G * (tq.GROUP + M) * 4))  # B=0: no rows
     out = None
     for a in range(0, max(T, 1), rows):  # an empty window: one empty block
         part = _group_product(p[..., a : a + rows], v_packed[:, :, a : a + rows], v_scales[:, :, a : a + rows], v_bits)
