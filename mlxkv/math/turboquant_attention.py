@@ -67,8 +67,8 @@ def _chunks(packed: mx.array, v_bits: int) -> mx.array:
     *lead, width = packed.shape
     blocks = packed.reshape(*lead, width // v_bits, v_bits)  # 8 codes per block
     columns = (blocks[..., i : i + 1] for i in range(v_bits))
-    per_block = 8 * v_bits // _CHUNK[v_bits]  # said, not inferred: an empty window has no -1
-    return _chunk_fields(v_bits)(*columns).reshape(*lead, width // v_bits * per_block)
+    fields = _chunk_fields(v_bits)(*columns)  # [..., blocks, chunks per block]
+    return fields.reshape(*lead, fields.shape[-2] * fields.shape[-1])  # no -1: a window may be empty
 
 
 def rotated_values(v_packed: mx.array, v_scales: mx.array, v_bits: int) -> mx.array:
