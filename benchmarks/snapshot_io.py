@@ -17,6 +17,10 @@ Each pair's result is the per-round ratio mlxkv / mlx-lm (median and range over 
 both sides of a round see the same machine), of wall time and of the process's CPU time
 (user + system, every thread), which the other jobs of a shared machine disturb far less.
 
+``--idle S`` sleeps S seconds before each timed save and load: on a VM, a thread woken on
+an idle virtual CPU starts late, which a load with more thread handoffs pays more for
+(docs/sessions.md).
+
 ``--reused`` measures the way this benchmark used to: each side's caches built once by
 assigning the arrays (sized exactly, no ``update_and_fetch``) and saved again every round.
 
@@ -136,9 +140,11 @@ def sides(workdir, tokens):
     }
 
 
-def measured(fn, prepare=lambda: None):
-    """(wall, cpu) seconds of ``fn(prepare())``; ``prepare()`` runs before the clock."""
+def measured(fn, prepare=lambda: None, idle=0.0):
+    """(wall, cpu) seconds of ``fn(prepare())``; ``prepare()`` runs before the clock, then the
+    process sleeps ``idle`` seconds (a load after a pause, as a resumed session's)."""
     arg = prepare()
+    time.sleep(idle)
     mx.clear_cache()  # both sides allocate afresh: no reuse of the other's freed buffers
     os.sync()  # nobody's earlier writeback lands inside this measurement
     c0, t0 = cpu_seconds(), time.perf_counter()
@@ -161,7 +167,7 @@ def run(args):
                 os.unlink(side.path)
             return caches
 
-        return lambda: measured(side.save, prepare)
+        return lambda: measured(side.save, prepare, args.idle)
 
     def load_task(side, then_append=False, cold=False, verify=True):
         def fn(_):
@@ -169,7 +175,7 @@ def run(args):
             if then_append:
                 append_one(caches)
 
-        return lambda: measured(fn, (lambda: evict(side.path)) if cold else (lambda: None))
+        return lambda: measured(fn, (lambda: evict(side.path)) if cold else (lambda: None), args.idle)
 
     pairs = {
         "save, file absent": lambda s: save_task(s, False),
@@ -231,6 +237,7 @@ def run(args):
         "file_bytes": sizes,
         "mlxkv_header_bytes": header,
         "repeats": args.repeats,
+        "idle_seconds": args.idle,
         "caches": "assigned once and reused (--reused)" if args.reused else "fresh every round (update_and_fetch)",
         "rows": rows,
         "targets_met": targets,
@@ -276,6 +283,9 @@ def cache_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
 def main(argv=None):
     p = cache_arguments(__doc__.split("\n")[0], repeats=11)
     p.add_argument("--reused", action="store_true", help="caches assigned once and saved again every round")
+    p.add_argument(
+        "--idle", type=float, default=0.0, help="seconds of sleep before each timed save or load (default 0)"
+    )
     p.add_argument("--out", default=None, help="default: benchmarks/results/snapshot_io.json")
     args = p.parse_args(argv)
     res = run(args)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlxkv.errors import CorruptSnapshotError, SnapshotError
-from mlxkv.io import tensor_reader
+from mlxkv.io import tensor_reader, zeroing
 from mlxkv.io.safetensors import SafetensorsFile, read_safetensors_header, write_atomic
 from mlxkv.io.tensor_reader import TensorReader
 
@@ -48,19 +48,38 @@ def test_every_tensor_comes_back_exact(stored):
         assert mx.array_equal(got[name], a).item(), name
 
 
+def address(a: mx.array) -> int:
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
 def test_slack_rows_follow_the_data_and_are_zero(stored):
     path, want, crcs = stored
-    dirty = mx.full((8 << 20,), 255, mx.uint8)  # freed memory that is not zero, for MLX to reuse
+    dirty = mx.full((1 * 8 * 640 * 128 * 2,), 255, mx.uint8)  # bf16 NaNs, freed for MLX to reuse
     mx.eval(dirty)
+    reused = address(dirty)
     del dirty
     got = read_all(path, crcs, rows={"big": 640, "small": 9, "empty": 4, "codes": 99})
     big, small = got["big"], got["small"]
+    assert address(big) == reused  # the slack was garbage before it was zeroed
     assert big.shape == (1, 8, 640, 128) and small.shape == (2, 2, 9, 16)
     assert mx.array_equal(big[:, :, :520], want["big"]).item()
     assert mx.array_equal(small[:, :, :5], want["small"]).item()
     assert not mx.any(big[:, :, 520:]).item() and not mx.any(small[:, :, 5:]).item()
     assert got["empty"].shape == (1, 2, 4, 8) and not mx.any(got["empty"]).item()
     assert got["codes"].shape == (3, 7)  # rows applies to rank-4 tensors only
+
+
+@pytest.mark.parametrize("start", [0, 1, 4095, 4096, 5000])
+@pytest.mark.parametrize("length", [0, 1, 4096, 16384, 3 * 4096 + 7, 40000])
+def test_zeroing_a_run_clears_exactly_its_bytes(start, length):
+    """Whole pages are given back to the system (Linux), the ends written: either way the run
+    reads as zeros and the bytes around it keep theirs."""
+    a = mx.full((64 << 10,), 0xAB, mx.uint8)
+    mx.eval(a)
+    zeroing.zero(memoryview(a)[8192 + start : 8192 + start + length])
+    got = np.array(a)
+    assert not got[8192 + start : 8192 + start + length].any()
+    assert (got[: 8192 + start] == 0xAB).all() and (got[8192 + start + length :] == 0xAB).all()
 
 
 def test_both_halves_of_a_split_read_are_checked(stored, monkeypatch):

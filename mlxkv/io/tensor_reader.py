@@ -28,10 +28,11 @@ import mlx.core as mx
 from ..errors import CorruptSnapshotError, SnapshotError
 from .safetensors import CRC32, DTYPES, ITEMSIZE, SafetensorsHeader, header_bytes, io_pool
 from .tensor_file import Checksum, TensorFile, TensorInfo, file_identity, open_regular
+from .zeroing import zero
 
 _IOV_MAX = 1024  # iovecs per preadv call (Linux's IOV_MAX)
 _SPLIT_MIN = 1 << 20  # tensors at least this large are read by two threads
-_CHUNK = 512 << 10  # read, then checksum while still in cache (docs/sessions.md, snapshot I/O)
+_CHUNK = 256 << 10  # read, then checksum while still in cache (docs/sessions.md, snapshot I/O)
 _PARALLEL = hasattr(os, "preadv")
 _MAX_BLOCKS = 4096  # [B, H] blocks placed one iovec each; more are staged (_fill_staged)
 _RELEASE_TIMEOUT = 60.0  # seconds MLX may take to drop its reader of a finished load
@@ -134,8 +135,6 @@ class _Target:
     def fill(self, fd: int, out: memoryview, at: int, split: bool = True):
         """Fill ``out``, the array's bytes from ``at`` on: stored bytes read, slack zeroed;
         with ``split``, the second half by the helper thread."""
-        import numpy as np
-
         if self.slack and self.blocks > _MAX_BLOCKS and at == 0 and len(out) == self.nbytes:
             return self._fill_staged(fd, out, split)
         stride, end = self.part + self.slack, at + len(out)
@@ -147,7 +146,7 @@ class _Target:
                 pieces.append((out[a - at : z - at], self.info.begin + i * self.part + a - blk))
             a, z = max(at, blk + self.part), min(end, blk + stride)
             if a < z:
-                np.frombuffer(out[a - at : z - at], dtype=np.uint8)[:] = 0
+                zero(out[a - at : z - at])
         self._read(fd, pieces, split)
 
     def _fill_staged(self, fd: int, out: memoryview, split: bool):

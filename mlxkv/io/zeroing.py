@@ -1,0 +1,54 @@
+"""Zeroing a run of an array's memory without touching its whole pages.
+
+A restored cache's slack rows must read as zeros (a compiled step attends them masked, and a
+masked row's weight is zero only against finite values). Writing the zeros faults in and
+fills every page of them, 4,096 pages for a 256 MiB load (docs/sessions.md, "What saving
+and loading cost"). On Linux a page of private anonymous memory given back with
+``madvise(MADV_DONTNEED)`` reads as zeros when next touched and costs nothing until then, so
+only the partial pages at a run's ends are written. MLX's CPU arrays are such memory
+(the C allocator's heap or its anonymous mappings); arrays that may live elsewhere (a GPU
+backend's unified or managed memory, or anything but Linux, where ``MADV_DONTNEED`` does
+not promise zeros) are zeroed by writing, as is any run ``madvise`` refuses.
+"""
+
+import ctypes
+import mmap
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+_PAGE = mmap.PAGESIZE
+_MIN_RUN = 4 * _PAGE  # shorter runs are written: a system call costs more than the pages
+
+
+def _madvise():
+    if sys.platform != "linux" or mx.metal.is_available() or mx.cuda.is_available():
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - a libc without madvise
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+_DONTNEED = 4  # MADV_DONTNEED (Linux)
+
+
+def zero(view: memoryview) -> None:
+    """Set the bytes of ``view`` (writable, contiguous, from an MLX array) to zero."""
+    out = np.frombuffer(view, dtype=np.uint8)
+    if _MADVISE is None or len(out) < _MIN_RUN:
+        out[:] = 0
+        return
+    address = out.ctypes.data
+    first = -address % _PAGE  # bytes before the first whole page
+    pages = (len(out) - first) // _PAGE * _PAGE
+    if _MADVISE(address + first, pages, _DONTNEED) != 0:  # pragma: no cover - refused: write them
+        out[:] = 0
+        return
+    out[:first] = 0
+    out[first + pages :] = 0
