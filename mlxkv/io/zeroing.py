@@ -16,7 +16,6 @@ import mmap
 import sys
 
 import mlx.core as mx
-import numpy as np
 
 _PAGE = mmap.PAGESIZE
 _MIN_RUN = 4 * _PAGE  # shorter runs are written: a system call costs more than the pages
@@ -40,15 +39,17 @@ _DONTNEED = 4  # MADV_DONTNEED (Linux)
 
 def zero(view: memoryview) -> None:
     """Set the bytes of ``view`` (writable, contiguous, from an MLX array) to zero."""
-    out = np.frombuffer(view, dtype=np.uint8)
-    if _MADVISE is None or len(out) < _MIN_RUN:
-        out[:] = 0
+    n = len(view)
+    if not n:
         return
-    address = out.ctypes.data
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    if _MADVISE is None or n < _MIN_RUN:
+        ctypes.memset(address, 0, n)
+        return
     first = -address % _PAGE  # bytes before the first whole page
-    pages = (len(out) - first) // _PAGE * _PAGE
+    pages = (n - first) // _PAGE * _PAGE
     if _MADVISE(address + first, pages, _DONTNEED) != 0:  # pragma: no cover - refused: write them
-        out[:] = 0
+        ctypes.memset(address, 0, n)
         return
-    out[:first] = 0
-    out[first + pages :] = 0
+    ctypes.memset(address, 0, first)
+    ctypes.memset(address + first + pages, 0, n - first - pages)
