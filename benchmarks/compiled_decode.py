@@ -259,6 +259,7 @@ def compare(model, scheme, options, tokens, rounds, steps, B=None, split=False):
         "compiled_tok_s": statistics.median(tc),
         "ratio": ratio["median"],
         "ratio_range": [ratio["min"], ratio["max"]],
+        "rounds": {"eager_tok_s": te, "compiled_tok_s": tc},  # per round, in order: the spread's source
         "warmup_s": {"eager": warm_eager, "compiled": warm_comp},
         "traces": decoder.traces,
         "eager_steps": decoder.eager_steps,
