@@ -1,6 +1,7 @@
 """The tensor reader: bytes, slack, checksums and failures of the one-copy load path."""
 
 import os
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -69,11 +70,17 @@ def test_slack_rows_follow_the_data_and_are_zero(stored):
     assert got["codes"].shape == (3, 7)  # rows applies to rank-4 tensors only
 
 
+@pytest.mark.parametrize("pages_given_back", [True, False], ids=["madvise", "written"])
 @pytest.mark.parametrize("start", [0, 1, 4095, 4096, 5000])
 @pytest.mark.parametrize("length", [0, 1, 4096, 16384, 3 * 4096 + 7, 40000])
-def test_zeroing_a_run_clears_exactly_its_bytes(start, length):
-    """Whole pages are given back to the system (Linux), the ends written: either way the run
-    reads as zeros and the bytes around it keep theirs."""
+def test_zeroing_a_run_clears_exactly_its_bytes(start, length, pages_given_back, monkeypatch):
+    """Whole pages are given back to the system (Linux, CPU), the ends written; or every byte
+    written (elsewhere): either way the run reads as zeros and the bytes around it keep theirs."""
+    if not pages_given_back:
+        monkeypatch.setattr(zeroing, "_madvise", lambda: None)
+    else:  # Linux's CPU backend gives pages back; elsewhere both cases write
+        cpu_only = not (mx.metal.is_available() or mx.cuda.is_available())
+        assert (zeroing._madvise() is not None) == (sys.platform == "linux" and cpu_only)
     a = mx.full((64 << 10,), 0xAB, mx.uint8)
     mx.eval(a)
     zeroing.zero(memoryview(a)[8192 + start : 8192 + start + length])

@@ -12,6 +12,7 @@ not promise zeros) are zeroed by writing, as is any run ``madvise`` refuses.
 """
 
 import ctypes
+import functools
 import mmap
 import sys
 
@@ -21,7 +22,10 @@ _PAGE = mmap.PAGESIZE
 _MIN_RUN = 4 * _PAGE  # shorter runs are written: a system call costs more than the pages
 
 
+@functools.cache
 def _madvise():
+    """libc's ``madvise`` where it zeroes what it is given, else None; asked at the first
+    zeroing, so importing mlxkv starts no GPU runtime."""
     if sys.platform != "linux" or mx.metal.is_available() or mx.cuda.is_available():
         return None
     try:
@@ -33,7 +37,6 @@ def _madvise():
     return fn
 
 
-_MADVISE = _madvise()
 _DONTNEED = 4  # MADV_DONTNEED (Linux)
 
 
@@ -43,12 +46,13 @@ def zero(view: memoryview) -> None:
     if not n:
         return
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    if _MADVISE is None or n < _MIN_RUN:
+    madvise = _madvise() if n >= _MIN_RUN else None
+    if madvise is None:
         ctypes.memset(address, 0, n)
         return
     first = -address % _PAGE  # bytes before the first whole page
     pages = (n - first) // _PAGE * _PAGE
-    if _MADVISE(address + first, pages, _DONTNEED) != 0:  # pragma: no cover - refused: write them
+    if madvise(address + first, pages, _DONTNEED) != 0:  # pragma: no cover - refused: write them
         ctypes.memset(address, 0, n)
         return
     ctypes.memset(address, 0, first)
