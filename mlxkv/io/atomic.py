@@ -16,21 +16,13 @@ from typing import BinaryIO, TypeVar
 
 from ..errors import SnapshotWriteError
 from . import temporaries
+from .libc import libc_function
 
 T = TypeVar("T")
 
 
-def _sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux: the final fsync does all the writing
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
+#: None where the C library has none (not Linux): the final fsync then does all the writing
+_SYNC_FILE_RANGE = libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

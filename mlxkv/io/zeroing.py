@@ -18,6 +18,8 @@ import sys
 
 import mlx.core as mx
 
+from .libc import libc_function
+
 _PAGE = mmap.PAGESIZE
 _MIN_RUN = 4 * _PAGE  # shorter runs are written: a system call costs more than the pages
 
@@ -26,15 +28,9 @@ _MIN_RUN = 4 * _PAGE  # shorter runs are written: a system call costs more than 
 def _madvise():
     """libc's ``madvise`` where it zeroes what it is given, else None; asked at the first
     zeroing, so importing mlxkv starts no GPU runtime."""
-    if sys.platform != "linux" or mx.metal.is_available() or mx.cuda.is_available():
+    if sys.platform != "linux" or mx.cuda.is_available():  # (Metal is macOS only)
         return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # pragma: no cover - a libc without madvise
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 _DONTNEED = 4  # MADV_DONTNEED (Linux)
