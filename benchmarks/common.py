@@ -2,12 +2,18 @@
 range, never the best run alone), pair-by-pair ratios against a baseline measured in the same
 run, a description of the machine, and result files."""
 
+import ctypes
+import functools
 import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
+
+import mlx.core as mx
+
+from mlxkv.io.libc import libc_function
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OPENBLAS = "libopenblas"
@@ -30,6 +36,24 @@ def seconds(fn, repeats: int, warmup: int = 1) -> list[float]:
 def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
     """The median of :func:`seconds`."""
     return statistics.median(seconds(fn, repeats, warmup))
+
+
+@functools.cache
+def _malloc_trim():
+    return libc_function("malloc_trim", ctypes.c_size_t)  # glibc's; None elsewhere
+
+
+def fresh_memory() -> None:
+    """Give the memory freed so far back to the system, so the arrays allocated next are new
+    pages, as in a new process. MLX's buffer cache is cleared, and glibc's malloc trims every
+    arena (``malloc_trim``): it keeps freed blocks of arrays (its mmap threshold rises to the
+    size of the first large block freed) and hands them out again already faulted in, which
+    made a 256 MiB load that reused the previous round's blocks take half the time of one
+    that did not (docs/sessions.md)."""
+    mx.clear_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def summary(values) -> dict:

@@ -2,7 +2,7 @@
 
 One snapshot of fresh caches (``update_and_fetch``, as snapshot_io.py builds them) and mlx-lm's
 file of the same caches, on the page cache; every round times each step below once, in a
-shuffled order, every array evaluated, MLX's buffer cache cleared first (every array is
+shuffled order, every array evaluated, the freed memory given back first (every array is
 allocated afresh, as in a new process):
 
 1. ``load_prompt_cache``: mlx-lm's load (the baseline of snapshot_io.py);
@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
-from benchmarks.common import ratios, summary, write_result
+from benchmarks.common import fresh_memory, ratios, summary, write_result
 from benchmarks.snapshot_io import build_arrays, cache_arguments, fresh_caches
 from mlxkv.formats.mlxkv import read
 from mlxkv.io.safetensors import CRC32, io_pool, read_safetensors_header
@@ -108,7 +108,7 @@ def run(args):
             names = list(tasks)
             order.shuffle(names)
             for name in names:
-                mx.clear_cache()
+                fresh_memory()
                 t0 = time.perf_counter()
                 mx.eval(tasks[name]())
                 times[name].append(time.perf_counter() - t0)

@@ -41,7 +41,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 import mlxkv
-from benchmarks.common import ratios, summary, write_result
+from benchmarks.common import fresh_memory, ratios, summary, write_result
 from mlxkv.io.safetensors import read_safetensors_header
 
 
@@ -145,7 +145,7 @@ def measured(fn, prepare=lambda: None, idle=0.0):
     process sleeps ``idle`` seconds (a load after a pause, as a resumed session's)."""
     arg = prepare()
     time.sleep(idle)
-    mx.clear_cache()  # both sides allocate afresh: no reuse of the other's freed buffers
+    fresh_memory()  # both sides allocate afresh: no reuse of freed blocks
     os.sync()  # nobody's earlier writeback lands inside this measurement
     c0, t0 = cpu_seconds(), time.perf_counter()
     fn(arg)

@@ -120,6 +120,26 @@ def test_short_reads_are_resumed(stored, monkeypatch):
     assert mx.array_equal(got["codes"], want["codes"]).item()
 
 
+@pytest.mark.parametrize("verified", [True, False])
+def test_reads_are_chunked_only_for_a_checksum(stored, monkeypatch, verified):
+    path, want, crcs = stored
+    real, calls = os.preadv, []
+
+    def counted(fd, buffers, offset):
+        calls.append(sum(len(b) for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    monkeypatch.setattr(tensor_reader, "_CHUNK", 64 << 10)
+    given = crcs if verified else dict.fromkeys(crcs)
+    got = read_all(path, given, rows={"big": 600})
+    assert mx.array_equal(got["big"][:, :, :520], want["big"]).item()
+    big = want["big"].nbytes
+    # verified: the big tensor's two halves in 64 KiB chunks; not: one read per half
+    assert sum(c >= big // 2 for c in calls) == (0 if verified else 2), calls
+    assert max(calls) <= (64 << 10 if verified else big)
+
+
 def test_single_thread_read_without_preadv_gives_the_same_arrays(stored, monkeypatch):
     path, want, crcs = stored
     monkeypatch.setattr(tensor_reader, "_PARALLEL", False)

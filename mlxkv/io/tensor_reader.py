@@ -80,9 +80,10 @@ def _chunks(pieces: list[Piece], size: int):
 
 def _read_and_checksum(fd: int, pieces: list[Piece], state=None) -> int:
     """Read file-contiguous ``pieces``, updating the checksum ``state`` (if any) with every
-    byte read, in order; returns the bytes read."""
-    total = 0
-    for views, offset in _chunks(pieces, _CHUNK):
+    byte read, in order; returns the bytes read. Without a checksum there is nothing to take
+    while the bytes are in cache: one read."""
+    total, size = 0, _CHUNK if state is not None else max(1, sum(len(v) for v, _ in pieces))
+    for views, offset in _chunks(pieces, size):
         got = _pread_into(fd, views, offset)
         total += got
         if state is not None:
