@@ -15,7 +15,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.utils import _get_classes
 
 import mlxkv
-from mlxkv.caches.attention_sites import window_reader
+from mlxkv.caches.attention_sites import _module_classes, window_reader
 from mlxkv.caches.transition import Bf16FirstCache
 from mlxkv.errors import SchemeError
 from mlxkv.math import turboquant as tq
@@ -185,6 +185,12 @@ def test_codes_true_on_a_model_that_reads_arrays_is_refused_at_make_cache(name):
 @pytest.mark.parametrize("name", sorted(CODES_READERS))
 def test_the_seeded_models_route_the_window(name):
     assert window_reader(build(CODES_READERS[name])) is None
+
+
+@pytest.mark.parametrize("name", sorted({**CODES_READERS, **ARRAY_READERS}))
+def test_the_sites_are_looked_for_in_every_module_class(name):
+    model = build({**CODES_READERS, **ARRAY_READERS}[name])
+    assert _module_classes(model) == {type(m) for m in model.modules()}
 
 
 def test_sinks_need_the_decoded_window():

@@ -22,6 +22,7 @@ import inspect
 import sys
 import textwrap
 
+import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
 #: mlx-lm's SDPA's parameters after queries, keys, values: where ``cache`` and ``sinks`` sit
@@ -133,12 +134,26 @@ def _source_reads(owner) -> str | None:
     return None
 
 
+def _module_classes(model) -> set[type]:
+    """The classes of ``model`` and of every module under it. A prompt store asks at every
+    hit; ``nn.Module.modules()`` visits every array too, 2 ms on SmolLM2 against 0.2."""
+    found, stack = set(), [model]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, nn.Module):
+            found.add(type(v))
+            stack.extend(v.values())
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return found or {type(model)}
+
+
 def window_reader(model) -> str | None:
     """Why ``model``'s attention needs the decoded window (the first site found), or None
     when every site that fetches from a cache hands the window straight to mlx-lm's SDPA."""
-    modules = model.modules() if hasattr(model, "modules") else [model]
-    classes = {type(m) for m in modules}
-    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
+    for cls in sorted(_module_classes(model), key=lambda c: (c.__module__, c.__qualname__)):
         for owner in cls.__mro__:
             if owner.__module__.startswith(("mlx.nn", "builtins")):
                 continue
