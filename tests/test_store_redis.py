@@ -152,6 +152,26 @@ def test_one_process_uploads_a_prefix(models, server, r):
     assert set(r.keys("*:p:*")) == pieces  # and nothing was uploaded again
 
 
+def test_a_server_that_lost_its_scripts_still_takes_uploads_and_deletes(models, server, r):
+    """A restarted server, or a replica promoted in a failover, has no script cache (Redis 7
+    replicates scripts as their effects): the first EVALSHA there answers NOSCRIPT, which
+    must cost nothing: the upload's expiry script and the damaged manifest's delete both run."""
+    model = models("llama")
+    first, second = prompt(80, seed=1), prompt(80, seed=2)
+    _upload(model, server, first, piece_bytes=4096, redis_ttl=600)  # the scripts are cached now
+    r.script_flush()  # on every master
+    assert len(_upload(model, server, second, piece_bytes=4096, redis_ttl=600).uploaded) == 1
+    assert all(0 < r.ttl(k) <= 600 for k in r.keys("*"))  # the expiry script ran on every key
+    assert _store(model, server).take(second + [1]).prefix_len == 80
+    r.flushall()
+    _upload(model, server, first, piece_bytes=4096)
+    r.script_flush()
+    key = sorted(r.keys("*:p:*"))[0]
+    r.set(key, b"damaged", keepttl=True)
+    assert _store(model, server).take(first + [1]) is None
+    assert r.keys("*:m:*") == []  # the damaged entry's manifest deleted by the script
+
+
 def test_other_identities_and_namespaces_never_match(models, server, r):
     llama, gemma = models("llama"), models("gemma3")
     tokens = prompt(40, seed=1)
